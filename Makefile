@@ -1,0 +1,46 @@
+# DualPath — short targets; `make help` lists them.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## list targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n",$$1,$$2}'
+
+# torch first, CPU build from the local wheel cache: a plain resolve would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[nixl,operator,dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP) ## create .venv and install everything (CPU torch first)
+
+proto: $(STAMP) ## regenerate gRPC stubs from proto/
+	$(BIN)/python -m dualpath.protogen
+
+demo: $(STAMP) ## run the main job on the embedded local default
+	$(BIN)/dualpath demo
+
+test: $(STAMP) ## run the test suite
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff lint + format check
+	$(BIN)/ruff check workers operator tests bench
+	$(BIN)/ruff format --check workers operator tests bench
+
+fmt: $(STAMP) ## ruff format
+	$(BIN)/ruff format workers operator tests bench
+	$(BIN)/ruff check --fix workers operator tests bench
+
+bench: $(STAMP) ## run all benchmarks, JSON to out/bench/
+	bash bench/run_all.sh
+
+clean: ## remove caches (keeps .venv)
+	rm -rf .pytest_cache .ruff_cache out build *.egg-info
+
+.PHONY: help venv proto demo test lint fmt bench clean

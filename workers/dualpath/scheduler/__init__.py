@@ -1,0 +1,1 @@
+"""Scheduler: the pure policy (`policy/`) and its gRPC shell (`service.py`)."""
