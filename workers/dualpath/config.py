@@ -157,6 +157,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-32b": dict(name="qwen2.5-32b", layers=64, hidden_size=5120, heads=40, kv_heads=8,
                         head_dim=128, intermediate_size=27648, vocab_size=152064,
                         dtype="bfloat16", active_params=32_500_000_000),
+    # DeepSeek-V3.2-like MLA (671B total, ~37B active): the cached latent per token per layer is
+    # kv_lora_rank + rope_head_dim = 576 values (bf16 here: 1152 B; x61 layers = 70 KB/token).
+    "deepseek-v3.2": dict(name="deepseek-v3.2", attention="mla", layers=61, hidden_size=7168,
+                          heads=128, kv_heads=1, head_dim=128, kv_lora_rank=512,
+                          rope_head_dim=64, intermediate_size=18432, vocab_size=129280,
+                          dtype="bfloat16", active_params=37_000_000_000),
+    # A smaller DeepSeek-style MLA MoE, ~27B total / ~4B active (the paper's 27B; dims are ours:
+    # 30 layers, hidden 3072, same 512+64 latent -> 34.5 KB/token in bf16).
+    "dsmla-27b": dict(name="dsmla-27b", attention="mla", layers=30, hidden_size=3072,
+                      heads=24, kv_heads=1, head_dim=128, kv_lora_rank=512, rope_head_dim=64,
+                      intermediate_size=8192, vocab_size=129280, dtype="bfloat16",
+                      active_params=4_000_000_000),
 }
 
 
