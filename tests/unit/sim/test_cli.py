@@ -1,0 +1,56 @@
+"""`dualpath sim` end to end on small presets (JSON shape, ratios, plot)."""
+
+from __future__ import annotations
+
+import json
+
+from dualpath.cli import main
+
+
+def _run(capsys, *argv: str) -> dict:
+    assert main(["sim", *argv, "--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_tiny_offline_json_has_per_policy_results_and_ratios(capsys, tmp_path) -> None:
+    png = tmp_path / "tiny.png"
+    out = _run(capsys, "--preset", "tiny", "--plot", str(png))
+    assert out["mode"] == "offline" and out["baseline"] == "prefill-read"
+    assert [p["x"] for p in out["points"]] == [8, 16]
+    for pt in out["points"]:
+        assert set(pt["policies"]) == {"dualpath", "prefill-read"}
+        assert pt["policies"]["dualpath"]["agents_done"] == pt["x"]
+    assert len(out["ratios"]["throughput_ratio_per_point"]) == 2
+    assert out["paper"]["offline_throughput_ratio"] == 1.87
+    assert out["wall_s"] > 0 and out["sim_s"] > 0
+    assert png.stat().st_size > 1000
+
+
+def test_online_reports_max_rate_under_the_sla(capsys) -> None:
+    out = _run(capsys, "--preset", "online", "--xs", "0.5,1", "--horizon", "40",
+               "--prefill", "1", "--decode", "1", "--policies", "dualpath,prefill-read,round-robin")
+    assert out["x"] == "agent_arrivals_per_s"
+    assert out["ttft_sla_s"] == 4.0
+    assert set(out["max_arrival_rate_meeting_sla"]) == {"dualpath", "prefill-read", "round-robin"}
+    assert "max_arrival_rate_ratio" in out["ratios"]
+
+
+def test_scale_reports_linearity(capsys) -> None:
+    out = _run(capsys, "--preset", "scale", "--xs", "1,2", "--horizon", "30",
+               "--policies", "dualpath")
+    assert [p["decode_nodes"] for p in out["points"]] == [2, 4]
+    assert len(out["scaling"]["dualpath"]["efficiency_vs_smallest"]) == 2
+
+
+def test_recorded_trace_replays(capsys, tmp_path) -> None:
+    from dualpath import trace
+
+    path = tmp_path / "t.jsonl"
+    trace.save_jsonl(path, trace.generate(trace.TraceSpec(agents=3, max_turns=3, seed=9)))
+    out = _run(capsys, "--preset", "tiny", "--xs", "3", "--trace", str(path))
+    assert out["points"][0]["policies"]["dualpath"]["turns"] == 9
+
+
+def test_unknown_policy_is_refused(capsys) -> None:
+    assert main(["sim", "--preset", "tiny", "--policies", "nope", "--quiet"]) == 2
+    assert "--policies" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""Cluster-scale discrete-event simulator of DualPath policies (`dualpath sim`)."""
