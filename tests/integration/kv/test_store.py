@@ -1,0 +1,240 @@
+"""The block store on a real directory: round trips, bad blocks, atomicity, eviction."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from dualpath.config import ModelSpec
+from dualpath.kv import block_ids, split_blocks
+from dualpath.kv import metrics as m
+from dualpath.kv.store import random_layers
+
+
+def misses(reason):
+    return m.MISSES.labels(reason=reason)._value.get()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8"])
+def test_round_trip_bit_exact(make_store, dtype, kvh):
+    fill, u8 = kvh.fill, kvh.u8
+    store = make_store(model=ModelSpec(preset="tiny", dtype=dtype))
+    ids, blocks = fill(store, 3)
+    assert store.lookup(ids) == 3
+    for layer in range(store.layout.layers):
+        r = store.read_layer(ids, layer)
+        assert r.valid_blocks == 3 and not r.failed
+        assert r.k.dtype == blocks[0][0][0].dtype and r.k.shape == (3 * 64, 2, 16)
+        for i in range(3):
+            s = slice(i * 64, (i + 1) * 64)
+            assert torch.equal(u8(r.k[s]), u8(blocks[i][layer][0]))
+            assert torch.equal(u8(r.v[s]), u8(blocks[i][layer][1]))
+    whole = store.read_blocks(ids)
+    assert whole.valid_blocks == 3
+    for layer in range(store.layout.layers):
+        k, v = whole.layer(layer)
+        assert torch.equal(u8(k), u8(torch.cat([b[layer][0] for b in blocks])))
+        assert torch.equal(u8(v), u8(torch.cat([b[layer][1] for b in blocks])))
+
+
+def test_nixl_and_preadv_give_identical_bytes(make_store, tmp_path, kvh):
+    fill, u8 = kvh.fill, kvh.u8
+    pytest.importorskip("nixl_cu12")
+    a = make_store(backend="preadv")
+    ids, blocks = fill(a, 4, seed=5)
+    b = make_store(backend="nixl", root=a.root)
+    assert b.backend.name == "nixl"
+    for layer in (0, 3):
+        ra, rb = a.read_layer(ids, layer), b.read_layer(ids, layer)
+        assert rb.valid_blocks == 4
+        assert torch.equal(u8(ra.k), u8(rb.k)) and torch.equal(u8(ra.v), u8(rb.v))
+        assert torch.equal(u8(rb.k[64:128]), u8(blocks[1][layer][0]))
+    wa, wb = a.read_blocks(ids), b.read_blocks(ids)
+    assert wb.valid_blocks == 4 and torch.equal(wa.buffer, wb.buffer)
+
+
+def test_lookup_is_longest_prefix(make_store, kvh):
+    fill = kvh.fill
+    store = make_store()
+    ids, _ = fill(store, 4)
+    store.evict(ids[2])
+    assert store.lookup(ids) == 2
+    assert store.lookup(block_ids(list(range(9, 300)), store.model)) == 0
+
+
+def test_flipped_byte_is_a_checksum_miss(make_store, kvh):
+    fill, u8 = kvh.fill, kvh.u8
+    store = make_store()
+    ids, blocks = fill(store, 3)
+    path = store.path_of(ids[1])
+    with open(path, "r+b") as f:  # one byte inside layer 2's payload of block 1
+        f.seek(store.layout.layer_offset(2) + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    before = misses("checksum")
+    assert store.read_layer(ids, 0).valid_blocks == 3  # layer 0 of block 1 is intact
+    r = store.read_layer(ids, 2)
+    assert r.valid_blocks == 1 and r.failed[0].block_id == ids[1]
+    assert r.failed[0].reason == "checksum" and misses("checksum") == before + 1
+    assert torch.equal(u8(r.k), u8(blocks[0][2][0]))  # the valid prefix is real data
+    assert store.lookup(ids) == 1  # the bad block is gone: next turn rewrites it
+
+
+def test_truncated_file_is_a_miss(make_store, kvh):
+    fill = kvh.fill
+    store = make_store()
+    ids, _ = fill(store, 2)
+    os.truncate(store.path_of(ids[0]), store.layout.file_bytes - 10)
+    before = misses("truncated")
+    r = store.read_blocks(ids)
+    assert r.valid_blocks == 0 and r.failed[0].reason == "truncated"
+    assert misses("truncated") == before + 1
+
+
+def test_block_of_another_model_is_a_miss(make_store, tmp_path, kvh):
+    fill = kvh.fill
+    ours = make_store()
+    other = make_store(model=ModelSpec(preset="tiny", seed=9), root=tmp_path / "other")
+    ids, _ = fill(ours, 2)
+    foreign_ids, _ = fill(other, 2)
+    # a foreign block placed under our id (e.g. a shared dir written by another deployment)
+    os.replace(other.path_of(foreign_ids[0]), ours.path_of(ids[1]))
+    ours._headers.clear()
+    before = misses("foreign_model")
+    r = ours.read_layer(ids, 1)
+    assert r.valid_blocks == 1 and r.failed[0].reason == "foreign_model"
+    assert misses("foreign_model") == before + 1
+
+
+def test_missing_file_is_a_miss(make_store, kvh):
+    fill = kvh.fill
+    store = make_store()
+    ids, _ = fill(store, 2)
+    os.unlink(store.path_of(ids[1]))  # e.g. evicted by another process sharing the directory
+    r = store.read_layer(ids, 0)
+    assert r.valid_blocks == 1 and r.failed[0].reason == "missing"
+
+
+_WRITER = """
+import sys, torch
+from dualpath.config import ModelSpec
+from dualpath.kv import KVStore, block_ids
+from dualpath.kv import store as st
+m = ModelSpec(preset="llama3-8b")
+s = KVStore(sys.argv[1], m, 1 << 34, backend="preadv")
+real = st._write_all
+done = [0]
+def slow(fd, view):  # write part of the block, announce, then hang so the kill lands mid-block
+    real(fd, view)
+    done[0] += len(view)
+    if done[0] > 1 << 20:
+        print("writing", flush=True)
+        import time; time.sleep(30)
+st._write_all = slow
+bid = block_ids(list(range(64)), m)[0]
+s.put(bid, st.random_layers(s.layout))
+"""
+
+
+def test_writer_killed_mid_write_leaves_no_block(tmp_path):
+    root = tmp_path / "kv"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    model = ModelSpec(preset="llama3-8b")
+    bid = block_ids(list(range(64)), model)[0]
+    from dualpath.kv import KVStore
+
+    store = KVStore(root, model, 1 << 34, backend="preadv")
+    assert list((root / "tmp").iterdir())  # the partial temp file exists ...
+    assert store.lookup([bid]) == 0 and len(store) == 0  # ... but no visible block
+    assert not store.path_of(bid).exists()
+
+
+def test_concurrent_readers_and_writers_never_see_partial_blocks(make_store, kvh):
+    u8 = kvh.u8
+    store = make_store()
+    reader_store = make_store(root=store.root)  # a second process's view of the directory
+    tokens = list(range(64 * 12))
+    ids = block_ids(tokens, store.model)
+    gen = torch.Generator().manual_seed(1)
+    blocks = [random_layers(store.layout, gen) for _ in ids]
+    errors, stop = [], threading.Event()
+
+    def writer():
+        for b, layers in zip(ids, blocks, strict=True):
+            store.put(b, layers)
+
+    def reader():
+        while not stop.is_set():
+            n = reader_store.lookup(ids)
+            r = reader_store.read_blocks(ids[:n])
+            if r.failed or r.valid_blocks != n:
+                errors.append(r.failed)
+            for layer in range(reader_store.layout.layers):
+                k, _ = r.layer(layer)
+                want = torch.cat([u8(b[layer][0]) for b in blocks[:n]]) if n else u8(k)
+                if not torch.equal(u8(k), want):
+                    errors.append(("data", layer, n))
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    w = threading.Thread(target=writer)
+    w.start()
+    w.join(timeout=60)
+    time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert reader_store.lookup(ids) == len(ids)
+
+
+def test_eviction_keeps_under_capacity_in_lru_order(make_store, tiny, kvh):
+    fill = kvh.fill
+    probe = make_store()
+    per_block = probe.layout.file_bytes
+    store = make_store(capacity_bytes=4 * per_block, root=probe.root.parent / "small")
+    ids, _ = fill(store, 4)
+    assert store.used_bytes == 4 * per_block
+    store.lookup(ids[:1])  # block 0 becomes most recently used
+    more, _ = fill(store, 2, seed=3)
+    assert store.used_bytes <= 4 * per_block
+    assert set(store.lru_order()) == {ids[3], ids[0], *more}
+    assert not store.path_of(ids[1]).exists() and not store.path_of(ids[2]).exists()
+    # the order survives a restart (mtimes)
+    again = make_store(capacity_bytes=4 * per_block, root=store.root)
+    assert set(again.lru_order()) == set(store.lru_order())
+    assert again.lru_order()[-1] in more
+
+
+def test_put_tokens_writes_only_covered_full_blocks(make_store):
+    store = make_store()
+    lo = store.layout
+    tokens = list(range(64 * 3 + 10))
+    kv = [(torch.randn(len(tokens) - 64, 2, 16), torch.randn(len(tokens) - 64, 2, 16))
+          for _ in range(lo.layers)]
+    written = store.put_tokens(tokens, kv, kv_start_token=64)
+    ids = block_ids(tokens, store.model)
+    assert written == ids[1:3]
+    r = store.read_layer(ids[1:3], 2)
+    assert torch.equal(r.k, kv[2][0][:128])
+    assert len(split_blocks(kv, 64)) == 2
+
+
+def test_put_refuses_wrong_shapes(make_store):
+    store = make_store()
+    bid = block_ids(list(range(64)), store.model)[0]
+    with pytest.raises(ValueError, match="layer 0 K"):
+        store.put(bid, [(torch.zeros(64, 2, 8), torch.zeros(64, 2, 16))] * 4)

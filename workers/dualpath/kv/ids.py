@@ -1,0 +1,53 @@
+"""Block ids: chained hashes over (previous id, the block's tokens, the model fingerprint).
+
+A prompt's cached prefix is the longest run of its ids present in the store, so equal prefixes
+of different prompts share blocks, and a different model (fingerprint) never matches.
+Only full blocks get ids; a partial last block is not stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+from dualpath.config import ModelSpec
+
+# 32 lowercase hex digits (128-bit XXH3); also the block's file name.
+BlockId = NewType("BlockId", str)
+
+_ROOT = b"dualpath-kv-v1"
+
+
+def block_ids(
+    tokens: Sequence[int] | np.ndarray, model: ModelSpec, parent: BlockId | None = None
+) -> list[BlockId]:
+    """Ids of every full block of `tokens` (token ids < 2**32).
+
+    `parent` continues a chain: the id of the block before `tokens[0]` (tokens must then start
+    on a block boundary of the whole sequence).
+    """
+    bt = model.block_tokens
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of token ids (got shape {arr.shape})")
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("tokens must be token ids in [0, 2**32)")
+    data = arr.astype("<u4")
+    fp = model.fingerprint.encode()
+    prev = bytes.fromhex(parent) if parent else _ROOT
+    out: list[BlockId] = []
+    for i in range(arr.size // bt):
+        h = xxhash.xxh3_128()
+        h.update(prev)
+        h.update(fp)
+        h.update(data[i * bt : (i + 1) * bt].tobytes())
+        prev = h.digest()
+        out.append(BlockId(prev.hex()))
+    return out
+
+
+def is_block_id(s: str) -> bool:
+    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
