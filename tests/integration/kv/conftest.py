@@ -29,7 +29,9 @@ def make_store(tmp_path, tiny):
 def fill(store, n_blocks, seed=0, tokens=None):
     """Write n random blocks of one chained prompt; returns (ids, blocks)."""
     bt = store.layout.block_tokens
-    tokens = tokens if tokens is not None else [(seed * 7919 + i) % 500 for i in range(n_blocks * bt)]
+    tokens = (
+        tokens if tokens is not None else [(seed * 7919 + i) % 500 for i in range(n_blocks * bt)]
+    )
     ids = block_ids(tokens, store.model)
     gen = torch.Generator().manual_seed(seed)
     blocks = [random_layers(store.layout, gen) for _ in ids]

@@ -223,8 +223,10 @@ def test_put_tokens_writes_only_covered_full_blocks(make_store):
     store = make_store()
     lo = store.layout
     tokens = list(range(64 * 3 + 10))
-    kv = [(torch.randn(len(tokens) - 64, 2, 16), torch.randn(len(tokens) - 64, 2, 16))
-          for _ in range(lo.layers)]
+    kv = [
+        (torch.randn(len(tokens) - 64, 2, 16), torch.randn(len(tokens) - 64, 2, 16))
+        for _ in range(lo.layers)
+    ]
     written = store.put_tokens(tokens, kv, kv_start_token=64)
     ids = block_ids(tokens, store.model)
     assert written == ids[1:3]

@@ -59,8 +59,14 @@ class BlockLayout:
             k_heads, k_dim = model.kv_heads, model.head_dim
             v_heads, v_dim = k_heads, k_dim
         return cls(
-            layers=model.layers, block_tokens=model.block_tokens, k_heads=k_heads, k_dim=k_dim,
-            v_heads=v_heads, v_dim=v_dim, dtype=model.dtype, dtype_bytes=model.dtype_bytes,
+            layers=model.layers,
+            block_tokens=model.block_tokens,
+            k_heads=k_heads,
+            k_dim=k_dim,
+            v_heads=v_heads,
+            v_dim=v_dim,
+            dtype=model.dtype,
+            dtype_bytes=model.dtype_bytes,
             fingerprint=model.fingerprint,
         )
 
@@ -122,9 +128,19 @@ def encode_header(layout: BlockLayout, block_id: str, checksums: list[int]) -> b
     if len(checksums) != layout.layers:
         raise ValueError(f"need one checksum per layer ({layout.layers}), got {len(checksums)}")
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype], CHECKSUM_XXH3_64, layout.header_bytes,
-        layout.layers, layout.block_tokens, layout.k_heads, layout.k_dim, layout.v_heads,
-        layout.v_dim, layout.fingerprint.encode(), bytes.fromhex(block_id),
+        MAGIC,
+        FORMAT_VERSION,
+        DTYPE_CODES[layout.dtype],
+        CHECKSUM_XXH3_64,
+        layout.header_bytes,
+        layout.layers,
+        layout.block_tokens,
+        layout.k_heads,
+        layout.k_dim,
+        layout.v_heads,
+        layout.v_dim,
+        layout.fingerprint.encode(),
+        bytes.fromhex(block_id),
     )
     body = fixed + struct.pack(f"<{layout.layers}Q", *checksums)
     body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
@@ -157,8 +173,14 @@ def decode_header(buf: bytes, layout: BlockLayout, block_id: str) -> BlockHeader
             f"block {block_id}: written for model {fingerprint}, expected {layout.fingerprint}",
         )
     if (dtype, header_bytes, layers, bt, kh, kd, vh, vd) != (
-        DTYPE_CODES[layout.dtype], layout.header_bytes, layout.layers, layout.block_tokens,
-        layout.k_heads, layout.k_dim, layout.v_heads, layout.v_dim,
+        DTYPE_CODES[layout.dtype],
+        layout.header_bytes,
+        layout.layers,
+        layout.block_tokens,
+        layout.k_heads,
+        layout.k_dim,
+        layout.v_heads,
+        layout.v_dim,
     ):
         raise BlockFormatError("foreign_model", f"block {block_id}: shape/dtype differ")
     if bid.hex() != block_id:

@@ -25,7 +25,8 @@ BACKEND_FALLBACKS = Counter(
     ["reason"],
 )
 QUEUE_PENDING = Gauge(
-    "dualpath_kv_read_queue_pending_bytes", "bytes submitted to a read queue, not yet read",
+    "dualpath_kv_read_queue_pending_bytes",
+    "bytes submitted to a read queue, not yet read",
     ["queue"],
 )
 QUEUE_INFLIGHT = Gauge(
@@ -33,9 +34,12 @@ QUEUE_INFLIGHT = Gauge(
 )
 QUEUE_THROTTLE = Counter(
     "dualpath_kv_read_queue_throttle_seconds_total",
-    "seconds read jobs waited on the SNIC token bucket", ["queue"],
+    "seconds read jobs waited on the SNIC token bucket",
+    ["queue"],
 )
 READ_SECONDS = Histogram(
-    "dualpath_kv_read_seconds", "duration of one batched range read (one layer of many blocks)",
-    ["backend"], buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
+    "dualpath_kv_read_seconds",
+    "duration of one batched range read (one layer of many blocks)",
+    ["backend"],
+    buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
 )

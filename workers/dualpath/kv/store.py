@@ -154,7 +154,11 @@ class KVStore:
         self._rebuild_index()
         log.info(
             "KV store %s: %d blocks, %d/%d bytes, backend %s",
-            self.root, len(self._lru), self._used, capacity_bytes, self.backend.name,
+            self.root,
+            len(self._lru),
+            self._used,
+            capacity_bytes,
+            self.backend.name,
         )
 
     # ---- index ---------------------------------------------------------------------------
@@ -375,8 +379,9 @@ class KVStore:
             try:
                 if os.fstat(fd).st_size != self.layout.file_bytes:
                     raise BlockFormatError(
-                        "truncated", f"block {b}: {os.fstat(fd).st_size} bytes, "
-                        f"expected {self.layout.file_bytes}"
+                        "truncated",
+                        f"block {b}: {os.fstat(fd).st_size} bytes, "
+                        f"expected {self.layout.file_bytes}",
                     )
                 header = self._header(b, fd)
             except BlockFormatError as err:
@@ -389,6 +394,13 @@ class KVStore:
                 break
             opened.append((fd, header))
         return opened, failed
+
+    def check(self, ids: Sequence[BlockId]) -> tuple[int, list[BlockFailure]]:
+        """Validate headers and sizes: (length of the valid prefix, the failure ending it)."""
+        opened, failed = self._open_valid(ids)
+        for fd, _ in opened:
+            os.close(fd)
+        return len(opened), failed
 
     def _header(self, block_id: BlockId, fd: int) -> BlockHeader:
         with self._lock:
@@ -441,10 +453,14 @@ class KVStore:
         opened, failed = self._open_valid(ids)
         try:
             batch = [
-                RangeRead(fd, offset, [
-                    k8[i * lo.k_bytes : (i + 1) * lo.k_bytes],
-                    v8[i * lo.v_bytes : (i + 1) * lo.v_bytes],
-                ])
+                RangeRead(
+                    fd,
+                    offset,
+                    [
+                        k8[i * lo.k_bytes : (i + 1) * lo.k_bytes],
+                        v8[i * lo.v_bytes : (i + 1) * lo.v_bytes],
+                    ],
+                )
                 for i, (fd, _) in enumerate(opened)
             ]
             valid = self._read_verified(ids, batch, [h for _, h in opened], [layer], failed)
@@ -508,10 +524,15 @@ class KVStore:
             for j, layer in enumerate(layers):
                 k, v = r.buffers[2 * j], r.buffers[2 * j + 1]
                 if layer_checksum(k.numpy().data, v.numpy().data) != h.checksums[layer]:
-                    failed.insert(0, self._miss(
-                        ids[i], "checksum", f"block {ids[i]} layer {layer}: checksum mismatch",
-                        drop=True,
-                    ))
+                    failed.insert(
+                        0,
+                        self._miss(
+                            ids[i],
+                            "checksum",
+                            f"block {ids[i]} layer {layer}: checksum mismatch",
+                            drop=True,
+                        ),
+                    )
                     return i
         return len(batch)
 

@@ -1,0 +1,383 @@
+"""The per-node read queue in front of the store (a node's storage NIC, DESIGN section 2).
+
+`ReadQueue.submit(hit_ids)` returns a `LayerReadHandle`, the per-layer KV source of the team
+contract: `await handle.layer(l) -> (K, V)`, each (hit_tokens, heads, dim). Behind it the
+request's blocks are validated (headers), then read layer by layer, in chunks of blocks, by a
+bounded pool of workers shared by all requests of the node (FIFO). `pending_bytes` (what the
+scheduler reads through heartbeats) counts submitted bytes not yet read and drops as chunks
+complete. An optional token bucket caps the queue at `snic_gbps` gigabits per second, so one
+machine can emulate nodes whose storage NICs have that speed.
+
+Blocks that fail validation shorten the hit prefix (`handle.valid_blocks`, `handle.failed`);
+a block whose layer data fails its checksum later makes `layer()` raise `KVLoadError` naming
+the valid prefix and the failed ids: the caller recomputes, it never gets bad data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dualpath.kv import metrics
+from dualpath.kv.ids import BlockId
+from dualpath.kv.store import (
+    BlockFailure,
+    BlockRead,
+    KVStore,
+    LayerKV,
+    request_buffer_bytes,
+    request_layer_views,
+)
+
+log = logging.getLogger(__name__)
+
+_CHUNK_TARGET_BYTES = 4 << 20
+_SLEEP_SLICE_S = 0.05
+
+
+class KVLoadError(RuntimeError):
+    """Hit blocks that could not be loaded: use the first `valid_blocks`, recompute the rest."""
+
+    def __init__(self, valid_blocks: int, failed: list[BlockFailure], message: str = "") -> None:
+        ids = ", ".join(f"{f.block_id}({f.reason})" for f in failed[:3])
+        super().__init__(message or f"KV load failed after {valid_blocks} blocks: {ids}")
+        self.valid_blocks = valid_blocks
+        self.failed = failed
+
+
+class TokenBucket:
+    """Byte-rate limiter with debt: a reservation larger than the bucket waits, never fails.
+
+    `reserve(n)` returns how long the caller must wait before using n bytes; the bucket
+    refills at `rate_bytes_per_s` up to `burst_bytes`. The clock is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        rate_bytes_per_s: float,
+        burst_bytes: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if rate_bytes_per_s <= 0:
+            raise ValueError("rate_bytes_per_s must be > 0")
+        self.rate = float(rate_bytes_per_s)
+        self.burst = float(burst_bytes)
+        self._clock = clock
+        self._tokens = self.burst
+        self._last = clock()
+        self._lock = threading.Lock()
+        self.granted_bytes = 0
+        self.wait_s_total = 0.0
+
+    @classmethod
+    def for_gbps(cls, gbps: float, clock: Callable[[], float] = time.monotonic) -> TokenBucket:
+        rate = gbps * 1e9 / 8  # gigabits -> bytes
+        return cls(rate, burst_bytes=max(rate * 0.01, 64 << 10), clock=clock)
+
+    def reserve(self, nbytes: int) -> float:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= nbytes
+            self.granted_bytes += nbytes
+            wait = max(0.0, -self._tokens / self.rate)
+            self.wait_s_total += wait
+            return wait
+
+
+class LayerReadHandle:
+    """One request's hit blocks being read layer by layer; a per-layer KV source."""
+
+    def __init__(self, queue: ReadQueue, ids: Sequence[BlockId], out: torch.Tensor | None) -> None:
+        self._queue = queue
+        self.ids = list(ids)
+        self.layout = queue.store.layout
+        self.requested_blocks = len(self.ids)
+        need = request_buffer_bytes(self.layout, self.requested_blocks)
+        if out is None:
+            out = torch.empty(need, dtype=torch.uint8)
+        self.buffer = out.reshape(-1).view(torch.uint8)
+        if self.buffer.numel() < need:
+            raise ValueError(
+                f"out holds {self.buffer.numel()} bytes; {len(ids)} blocks need {need}"
+            )
+        self.valid_blocks = self.requested_blocks
+        self.failed: list[BlockFailure] = []
+        self.closed = False
+        self._lock = threading.Lock()
+        self._ready: cf.Future[int] = cf.Future()
+        self._layers: list[cf.Future[LayerKV]] = [cf.Future() for _ in range(self.layout.layers)]
+        self._remaining: list[int] = [0] * self.layout.layers
+        self._error: KVLoadError | None = None
+        self._jobs: list[cf.Future] = []
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.valid_blocks * self.layout.block_tokens
+
+    # ---- the per-layer KV source contract ---------------------------------------------------
+
+    async def ready(self) -> int:
+        """Valid hit blocks after header validation (<= requested)."""
+        return await asyncio.wrap_future(self._ready)
+
+    async def layer(self, l: int) -> LayerKV:  # noqa: E741 (the contract's name)
+        return await asyncio.shield(asyncio.wrap_future(self._layers[l]))
+
+    def layer_sync(self, l: int, timeout: float | None = None) -> LayerKV:  # noqa: E741
+        return self._layers[l].result(timeout)
+
+    def wait(self, timeout: float | None = None) -> BlockRead:
+        """Block until every layer is read; the whole request as a BlockRead."""
+        for f in self._layers:
+            f.exception(timeout)
+        return self.result()
+
+    async def done(self) -> BlockRead:
+        await asyncio.wrap_future(self._ready)
+        for f in self._layers:
+            await asyncio.shield(asyncio.wrap_future(f))
+        return self.result()
+
+    def result(self) -> BlockRead:
+        valid = self._error.valid_blocks if self._error else self.valid_blocks
+        failed = self._error.failed if self._error else self.failed
+        return BlockRead(self.buffer, self.layout, self.requested_blocks, valid, failed)
+
+    def close(self) -> None:
+        """Stop reading: queued chunks are dropped (their pending bytes released)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            jobs = list(self._jobs)
+        for j in jobs:
+            j.cancel()
+        for f in [self._ready, *self._layers]:
+            f.cancel()
+
+    cancel = close
+
+    def __enter__(self) -> LayerReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- driven by the queue's workers ------------------------------------------------------
+
+    def _views(self, layer: int) -> LayerKV:
+        return request_layer_views(self.buffer, self.layout, self.requested_blocks, layer)
+
+    def _resolve(self, fut: cf.Future, value: object = None, exc: BaseException | None = None):
+        try:
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+        except cf.InvalidStateError:  # cancelled by close() meanwhile
+            pass
+
+    def _validated(self, valid: int, failed: list[BlockFailure]) -> None:
+        self.valid_blocks = valid
+        self.failed = failed
+        self._resolve(self._ready, valid)
+        if valid == 0:
+            for layer in range(self.layout.layers):
+                k, v = self._views(layer)
+                self._resolve(self._layers[layer], (k[:0], v[:0]))
+
+    def _chunk_done(self, layer: int, a: int, got: int, want: int, failed: list) -> None:
+        with self._lock:
+            if got < want and self._error is None:
+                self._error = KVLoadError(a + got, failed)
+            self._remaining[layer] -= 1
+            last = self._remaining[layer] == 0
+            err = self._error
+        if err is not None:
+            for f in self._layers:
+                self._resolve(f, exc=err)
+            self._queue._drop(self)
+        elif last:
+            k, v = self._views(layer)
+            t = self.hit_tokens
+            self._resolve(self._layers[layer], (k[:t], v[:t]))
+
+
+class ReadQueue:
+    """A node's bounded, optionally bandwidth-capped storage read queue."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        concurrency: int = 8,
+        snic_gbps: float = 0.0,
+        name: str = "node",
+        chunk_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1 (storage.readConcurrency)")
+        if snic_gbps < 0:
+            raise ValueError("snic_gbps must be >= 0 (0 = uncapped)")
+        self.store = store
+        self.name = name
+        self.concurrency = concurrency
+        self.snic_gbps = snic_gbps
+        self.bucket = TokenBucket.for_gbps(snic_gbps, clock) if snic_gbps > 0 else None
+        self.chunk_blocks = chunk_blocks or max(1, _CHUNK_TARGET_BYTES // store.layout.layer_bytes)
+        self._sleep = sleep
+        self._clock = clock
+        self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvread-{name}")
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._inflight = 0
+        self._closed = False
+        self.read_bytes = 0
+        self._pending_gauge = metrics.QUEUE_PENDING.labels(queue=name)
+        self._inflight_gauge = metrics.QUEUE_INFLIGHT.labels(queue=name)
+        self._throttle = metrics.QUEUE_THROTTLE.labels(queue=name)
+        self._pending_gauge.set(0)
+        self._inflight_gauge.set(0)
+        log.info(
+            "read queue %s: concurrency %d, snic_gbps %s",
+            name,
+            concurrency,
+            snic_gbps or "uncapped",
+        )
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def _add_pending(self, delta: int) -> None:
+        with self._lock:
+            self._pending += delta
+            self._pending_gauge.set(self._pending)
+
+    def submit(self, ids: Sequence[BlockId], out: torch.Tensor | None = None) -> LayerReadHandle:
+        """Queue a request's hit blocks; `out` is an optional caller buffer
+        (`request_buffer_bytes(layout, len(ids))` bytes, layer-major)."""
+        if self._closed:
+            raise RuntimeError(f"read queue {self.name} is closed")
+        handle = LayerReadHandle(self, ids, out)
+        total = len(handle.ids) * self.store.layout.payload_bytes
+        self._add_pending(total)
+        job = self._pool.submit(self._validate, handle)
+        job.add_done_callback(lambda f: f.cancelled() and self._add_pending(-total))
+        with handle._lock:
+            handle._jobs.append(job)
+        return handle
+
+    async def read_into(self, ids: Sequence[BlockId], out: torch.Tensor | None = None) -> BlockRead:
+        """Whole-request read (e.g. path D staging into the decode buffer)."""
+        handle = self.submit(ids, out)
+        try:
+            await handle.done()
+        except KVLoadError:
+            pass  # reported as data in the result
+        return handle.result()
+
+    def _validate(self, handle: LayerReadHandle) -> None:
+        lo = self.store.layout
+        n = handle.requested_blocks
+        if handle.closed:
+            self._add_pending(-n * lo.payload_bytes)
+            return
+        valid, failed = self.store.check(handle.ids)
+        self._add_pending(-(n - valid) * lo.payload_bytes)
+        handle._validated(valid, failed)
+        if valid == 0:
+            return
+        chunks = [
+            (a, min(a + self.chunk_blocks, valid)) for a in range(0, valid, self.chunk_blocks)
+        ]
+        with handle._lock:
+            for layer in range(lo.layers):
+                handle._remaining[layer] = len(chunks)
+        for layer in range(lo.layers):
+            for a, b in chunks:
+                nbytes = (b - a) * lo.layer_bytes
+                try:
+                    job = self._pool.submit(self._read_chunk, handle, layer, a, b)
+                except RuntimeError:  # pool shut down by close()
+                    self._add_pending(-nbytes)
+                    continue
+                job.add_done_callback(lambda f, nb=nbytes: f.cancelled() and self._add_pending(-nb))
+                with handle._lock:
+                    handle._jobs.append(job)
+
+    def _read_chunk(self, handle: LayerReadHandle, layer: int, a: int, b: int) -> None:
+        lo = self.store.layout
+        nbytes = (b - a) * lo.layer_bytes
+        released = False
+        try:
+            if handle.closed or handle._error is not None:
+                return
+            if self.bucket is not None and not self._throttle_wait(handle, nbytes):
+                return
+            with self._lock:
+                self._inflight += 1
+                self._inflight_gauge.set(self._inflight)
+            try:
+                k, v = handle._views(layer)
+                bt = lo.block_tokens
+                r = self.store.read_layer(
+                    handle.ids[a:b], layer, k_out=k[a * bt : b * bt], v_out=v[a * bt : b * bt]
+                )
+            finally:
+                with self._lock:
+                    self._inflight -= 1
+                    self._inflight_gauge.set(self._inflight)
+            self.read_bytes += r.valid_blocks * lo.layer_bytes
+            # release before resolving: a consumer that saw the layer sees the bytes gone
+            self._add_pending(-nbytes)
+            released = True
+            handle._chunk_done(layer, a, r.valid_blocks, b - a, r.failed)
+        finally:
+            if not released:
+                self._add_pending(-nbytes)
+
+    def _throttle_wait(self, handle: LayerReadHandle, nbytes: int) -> bool:
+        """Wait for the SNIC token bucket; False when the handle closed meanwhile."""
+        wait = self.bucket.reserve(nbytes)
+        self._throttle.inc(wait)
+        deadline = self._clock() + wait
+        while wait > 0:
+            self._sleep(min(wait, _SLEEP_SLICE_S))
+            if handle.closed:
+                return False
+            wait = deadline - self._clock()
+        return True
+
+    def _drop(self, handle: LayerReadHandle) -> None:
+        with handle._lock:
+            jobs = list(handle._jobs)
+        for j in jobs:
+            j.cancel()
+
+    def close(self) -> None:
+        """Stop the workers; queued reads are dropped, running ones finish."""
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._pending = 0
+            self._pending_gauge.set(0)
+
+    def __enter__(self) -> ReadQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
