@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--horizon", type=float, help="simulated seconds to stop at")
     parser.add_argument("--agent-group", type=int, help="agents per simulated agent")
     parser.add_argument("--think", type=float, help="mean tool-call think time (s)")
+    parser.add_argument("--active-per-prefill", type=int,
+                        help="offline: agents running at once per prefill node (0 = all)")
     parser.add_argument("--ttft-sla", type=float, help="online TTFT SLA in s (default 4)")
     parser.add_argument("--sla-percentile", type=float, default=90.0,
                         help="TTFT percentile that must meet the SLA (default p90)")
@@ -134,6 +136,8 @@ class _Setup:
         self.horizon = args.horizon if args.horizon else p.horizon_s
         self.group = args.agent_group or p.agent_group
         self.think = p.mean_think_s if args.think is None else args.think
+        self.active_per_prefill = (p.active_per_prefill if args.active_per_prefill is None
+                                   else args.active_per_prefill)
         self.sla = args.ttft_sla or p.ttft_sla_s
         self.sla_q = args.sla_percentile
         self.seed = args.seed
@@ -155,6 +159,8 @@ class _Setup:
             block_tokens=self.model.block_tokens, thresholds=self.thresholds,
             horizon_s=horizon, warmup_s=warmup, mean_context_tokens=st.mean_prompt_tokens,
             progress=self.progress, agent_group=group,
+            max_active_agents=max(1, self.active_per_prefill * prefill // group)
+            if self.active_per_prefill else 0,
         )
 
 

@@ -49,7 +49,7 @@ from dualpath.trace import Trajectory
 
 log = logging.getLogger(__name__)
 
-ARRIVE, PREFILL_WAKE, PREFILL_DONE, DECODE_DONE = 0, 1, 2, 3
+ARRIVE, PREFILL_WAKE, PREFILL_DONE, DECODE_DONE, RETRY = 0, 1, 2, 3, 4
 
 
 @dataclass(slots=True)
@@ -68,6 +68,9 @@ class SimConfig:
     # Each simulated agent stands for this many identical agents in lockstep: one request
     # carries their tokens, bytes and GPU time (cuts events by this factor at cluster scale).
     agent_group: int = 1
+    # Offline batch jobs run at most this many (simulated) agents at once; the next one starts
+    # when one finishes (0 = all start at their start_s).
+    max_active_agents: int = 0
 
 
 @dataclass(slots=True)
@@ -168,6 +171,9 @@ class Simulator:
     def __init__(self, cfg: SimConfig, policy: Policy, trajectories: list[Trajectory]) -> None:
         if cfg.prefill_nodes < 1 or cfg.decode_nodes < 1:
             raise ValueError("SimConfig: needs at least one prefill and one decode node")
+        for tr in trajectories:
+            if not tr.turns:
+                raise ValueError(f"trajectory {tr.agent_id}: has no turns")
         self.cfg = cfg
         self.policy = policy
         self.trs = trajectories
@@ -368,14 +374,24 @@ class Simulator:
         else:
             self.agents_done += w
             self.last_done_s = now
+            if self.next_agent < len(self.trs):
+                self._push(now, ARRIVE, self.next_agent)
+                self.next_agent += 1
         if self.waiting:
             self._retry(now)
 
     def _retry(self, now: float) -> None:
+        # Like the real scheduler's queue, a refused request is re-offered to the policy at
+        # most once per heartbeat: nothing it reads changes faster than that (and it bounds
+        # the policy calls of an overloaded cluster).
+        if now < self.next_retry_s:
+            return
         waiting, self.waiting = self.waiting, []
         for i, req in enumerate(waiting):
             if not self._route(req, now):
                 self.waiting.extend(waiting[i:])
+                self.next_retry_s = now + self.cfg.heartbeat_s
+                self._push(self.next_retry_s, RETRY, None)
                 break
 
     # -- the loop ----------------------------------------------------------------------------
@@ -387,9 +403,11 @@ class Simulator:
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.last_done_s = 0.0
-        for a, tr in enumerate(self.trs):
-            if tr.turns:
-                self._push(tr.start_s, ARRIVE, a)
+        self.next_retry_s = -math.inf
+        cap = self.cfg.max_active_agents or len(self.trs)
+        for a, tr in enumerate(self.trs[:cap]):
+            self._push(tr.start_s, ARRIVE, a)
+        self.next_agent = min(cap, len(self.trs))
         horizon = self.cfg.horizon_s
         heap = self.heap
         pop = heapq.heappop
@@ -406,14 +424,20 @@ class Simulator:
             events += 1
             if kind == ARRIVE:
                 req = self._new_turn(obj, now)  # type: ignore[arg-type]
-                if self.waiting or not self._route(req, now):
+                if self.waiting:
                     self.waiting.append(req)
+                elif not self._route(req, now):
+                    self.waiting.append(req)
+                    self.next_retry_s = now + self.cfg.heartbeat_s
+                    self._push(self.next_retry_s, RETRY, None)
             elif kind == PREFILL_WAKE:
                 self._prefill_wake(obj, now)  # type: ignore[arg-type]
             elif kind == PREFILL_DONE:
                 self._prefill_done(obj, now)  # type: ignore[arg-type]
-            else:
+            elif kind == DECODE_DONE:
                 self._decode_done(obj, now)  # type: ignore[arg-type]
+            elif self.waiting:
+                self._retry(now)
             if events & 0x3FFF == 0:
                 w = time.perf_counter()
                 if w >= next_report:

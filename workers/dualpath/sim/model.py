@@ -27,8 +27,8 @@ class Hardware:
     """One node's hardware (H800-like defaults; each node has 8 GPUs)."""
 
     gpus_per_node: int = 8
-    gpu_tflops: float = 990.0  # dense bf16 peak per GPU
-    mfu: float = 0.4  # achieved fraction of peak in prefill
+    gpu_tflops: float = 1979.0  # dense FP8 peak per GPU (H800; DeepSeek serves in FP8)
+    mfu: float = 0.35  # achieved fraction of peak in prefill
     hbm_gbytes_per_s: float = 3350.0  # per GPU
     snic_gbps: float = 400.0  # storage NIC per node (shared by its 8 GPUs)
     cnic_gbps: float = 3200.0  # compute NICs per node (8 x 400 Gbps)
