@@ -108,6 +108,7 @@ async def test_invalid_block_shortens_prefix(make_store, kvh):
         assert h.failed[0].reason == "truncated" and h.hit_tokens == 128
         k, _ = await h.layer(0)
         assert torch.equal(kvh.u8(k), kvh.u8(torch.cat([b[0][0] for b in blocks[:2]])))
+        assert (await h.done()).valid_blocks == 2
         assert q.pending_bytes == 0
 
 
