@@ -66,6 +66,20 @@ class ClusterView:
     thresholds: Thresholds = field(default_factory=Thresholds)
     # Path D's extra hop: decode buffer -> prefill over the compute NIC (kv traffic class).
     cnic_bytes_per_s: float = 25.0e9
+    # Decode engines by group, built lazily; call `membership_changed()` after adding or
+    # removing nodes (health and draining are read per decision, not cached).
+    _decode_groups: dict[str, list[NodeState]] | None = None
+
+    def decode_groups(self) -> dict[str, list[NodeState]]:
+        if self._decode_groups is None:
+            groups: dict[str, list[NodeState]] = {}
+            for n in self.decode:
+                groups.setdefault(n.group, []).append(n)
+            self._decode_groups = groups
+        return self._decode_groups
+
+    def membership_changed(self) -> None:
+        self._decode_groups = None
 
 
 @dataclass(slots=True)

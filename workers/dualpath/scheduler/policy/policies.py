@@ -1,0 +1,76 @@
+"""Scheduling policies: small classes behind one interface, selected by name.
+
+`dualpath` is the paper's policy; `prefill-read` (today's systems), `decode-read` and
+`round-robin` are the baselines. The node choice of the first three is the same code, so a
+comparison isolates the read path.
+"""
+
+from __future__ import annotations
+
+from dualpath.scheduler.policy.inter_node import (
+    path_finish_s,
+    pick_decode,
+    pick_path,
+    pick_prefill,
+)
+from dualpath.scheduler.policy.types import ClusterView, Decision, ReadPath, RouteRequest
+
+
+class DualPathPolicy:
+    """Pick the pair by the paper's inter-node rules, read through the faster side."""
+
+    name = "dualpath"
+
+    def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
+        p = pick_prefill(view)
+        if p is None:
+            return None
+        d = pick_decode(request, view)
+        if d is None:
+            return None
+        path, chosen, other = pick_path(request, p, d, view)
+        return Decision(request.request_id, p.node_id, d.node_id, path, chosen, other)
+
+
+class FixedPathPolicy:
+    """Same pair choice as `dualpath`, one fixed read path (the baselines)."""
+
+    def __init__(self, name: str, path: ReadPath) -> None:
+        self.name = name
+        self.path = path
+
+    def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
+        p = pick_prefill(view)
+        if p is None:
+            return None
+        d = pick_decode(request, view)
+        if d is None:
+            return None
+        via_p, via_d = path_finish_s(request, p, d, view)
+        chosen, other = (via_p, via_d) if self.path is ReadPath.PREFILL else (via_d, via_p)
+        return Decision(request.request_id, p.node_id, d.node_id, self.path, chosen, other)
+
+
+class RoundRobinPolicy:
+    """Load-unaware: nodes in turn, read path alternating (a naive dual path)."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
+        ps = [n for n in view.prefill if n.healthy and not n.draining]
+        ds = [
+            n for n in view.decode
+            if n.healthy and not n.draining and n.buffer_free_bytes >= request.context_bytes
+        ]
+        if not ps or not ds:
+            return None
+        k = self._n
+        self._n += 1
+        p, d = ps[k % len(ps)], ds[k % len(ds)]
+        path = ReadPath.DECODE if k % 2 else ReadPath.PREFILL
+        via_p, via_d = path_finish_s(request, p, d, view)
+        chosen, other = (via_p, via_d) if path is ReadPath.PREFILL else (via_d, via_p)
+        return Decision(request.request_id, p.node_id, d.node_id, path, chosen, other)

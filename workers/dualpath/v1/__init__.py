@@ -1,0 +1,1 @@
+"""Generated gRPC contracts (from proto/dualpath/v1, by `make proto`)."""

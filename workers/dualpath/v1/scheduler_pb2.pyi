@@ -1,0 +1,186 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+
+class ReadPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    READ_PATH_UNSPECIFIED: _ClassVar[ReadPath]
+    READ_PATH_PREFILL: _ClassVar[ReadPath]
+    READ_PATH_DECODE: _ClassVar[ReadPath]
+ROLE_UNSPECIFIED: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+READ_PATH_UNSPECIFIED: ReadPath
+READ_PATH_PREFILL: ReadPath
+READ_PATH_DECODE: ReadPath
+
+class NodeLoad(_message.Message):
+    __slots__ = ("read_pending_bytes", "tokens_queued", "tokens_running", "requests_running", "buffer_free_bytes", "draining")
+    READ_PENDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    read_pending_bytes: int
+    tokens_queued: int
+    tokens_running: int
+    requests_running: int
+    buffer_free_bytes: int
+    draining: bool
+    def __init__(self, read_pending_bytes: _Optional[int] = ..., tokens_queued: _Optional[int] = ..., tokens_running: _Optional[int] = ..., requests_running: _Optional[int] = ..., buffer_free_bytes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node_id", "role", "address", "transfer_address", "snic_bytes_per_s", "prefill_tokens_per_s", "group", "config_hash", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SNIC_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: Role
+    address: str
+    transfer_address: str
+    snic_bytes_per_s: float
+    prefill_tokens_per_s: float
+    group: str
+    config_hash: str
+    load: NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., snic_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., group: _Optional[str] = ..., config_hash: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_ms", "node_timeout_ms")
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NODE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    node_timeout_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., node_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("node_id", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    load: NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "prompt_tokens", "hit_tokens", "hit_bytes", "context_bytes", "max_new_tokens", "queue_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    hit_bytes: int
+    context_bytes: int
+    max_new_tokens: int
+    queue_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_bytes: _Optional[int] = ..., context_bytes: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("request_id", "prefill_node", "prefill_address", "decode_node", "decode_address", "read_path", "policy", "est_read_finish_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    READ_PATH_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    EST_READ_FINISH_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill_node: str
+    prefill_address: str
+    decode_node: str
+    decode_address: str
+    read_path: ReadPath
+    policy: str
+    est_read_finish_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., read_path: _Optional[_Union[ReadPath, str]] = ..., policy: _Optional[str] = ..., est_read_finish_s: _Optional[float] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("request_id", "generated_tokens", "ok")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generated_tokens: int
+    ok: bool
+    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class ClusterViewRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "role", "address", "healthy", "load", "seconds_since_heartbeat", "group")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: Role
+    address: str
+    healthy: bool
+    load: NodeLoad
+    seconds_since_heartbeat: float
+    group: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., group: _Optional[str] = ...) -> None: ...
+
+class ClusterViewResponse(_message.Message):
+    __slots__ = ("nodes", "policy", "routed_total", "in_flight")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    policy: str
+    routed_total: int
+    in_flight: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., routed_total: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
