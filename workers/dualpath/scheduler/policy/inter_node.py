@@ -64,25 +64,27 @@ def _before(a: NodeState, b: NodeState) -> bool:
 
 def pick_decode(request: RouteRequest, view: ClusterView) -> NodeState | None:
     # Phase 1: the group with the fewest tokens (over its available engines).
-    group, group_tok, engines = None, 0, None
+    group, group_tok, group_n, engines = None, 0, 0, None
     for g, members in view.decode_groups().items():
-        avail = [n for n in members if n.healthy and not n.draining]
-        if not avail:
-            continue
-        tok = sum([n.tokens_queued + n.tokens_running for n in avail])
-        if group is None or tok < group_tok or (tok == group_tok and g < group):
-            group, group_tok, engines = g, tok, avail
+        tok = 0
+        cnt = 0
+        for n in members:
+            if n.healthy and not n.draining:
+                tok += n.tokens_queued + n.tokens_running
+                cnt += 1
+        if cnt and (group is None or tok < group_tok or (tok == group_tok and g < group)):
+            group, group_tok, group_n, engines = g, tok, cnt, members
     if engines is None:
         return None
     # Phase 2: engines with room; threshold Z balances tokens across the group's engines.
     length = request.prompt_tokens + request.max_new_tokens
-    z = DECODE_BALANCE_SLACK * (length + group_tok) / len(engines)
+    z = DECODE_BALANCE_SLACK * (length + group_tok) / group_n
     need = request.context_bytes
     fit: NodeState | None = None
     room: NodeState | None = None
     room_tok = 0
     for n in engines:
-        if n.buffer_free_bytes < need:
+        if n.buffer_free_bytes < need or not n.healthy or n.draining:
             continue
         tok = n.tokens_queued + n.tokens_running
         if tok + length <= z and (
@@ -100,7 +102,9 @@ def pick_decode(request: RouteRequest, view: ClusterView) -> NodeState | None:
 
 
 def read_finish_s(request: RouteRequest, node: NodeState) -> float:
-    """Seconds until `node`'s read queue has read this request's hit bytes."""
+    """Seconds until `node`'s read queue has read this request's hit bytes (0: none)."""
+    if request.hit_bytes <= 0:
+        return 0.0
     return (node.read_pending_bytes + request.hit_bytes) / node.snic_bytes_per_s
 
 
@@ -119,6 +123,6 @@ def pick_path(
 ) -> tuple[ReadPath, float, float]:
     """The faster side; ties go to path P (no extra hop). Returns (path, chosen, other)."""
     via_p, via_d = path_finish_s(request, prefill, decode, view)
-    if request.hit_bytes > 0 and via_d < via_p:
+    if via_d < via_p:
         return ReadPath.DECODE, via_d, via_p
     return ReadPath.PREFILL, via_p, via_d

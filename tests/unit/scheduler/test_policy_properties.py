@@ -1,0 +1,176 @@
+"""Properties every policy keeps over random cluster views (hypothesis)."""
+
+import copy
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dualpath.scheduler.policy import (
+    POLICY_NAMES,
+    ClusterView,
+    NodeState,
+    ReadPath,
+    RouteRequest,
+    Thresholds,
+    account,
+    get_policy,
+)
+from dualpath.scheduler.policy.inter_node import is_overloaded, path_finish_s
+
+SNIC = 1.0e9
+
+
+@st.composite
+def nodes(draw, role: str, n_min: int, n_max: int):
+    count = draw(st.integers(n_min, n_max))
+    out = []
+    for i in range(count):
+        out.append(NodeState(
+            node_id=f"{role[0]}{i}", role=role,
+            read_pending_bytes=draw(st.integers(0, int(10 * SNIC))),
+            snic_bytes_per_s=draw(st.sampled_from([0.5e9, 1e9, 5e9])),
+            tokens_queued=draw(st.integers(0, 100_000)),
+            tokens_running=draw(st.integers(0, 50_000)),
+            requests_running=draw(st.integers(0, 64)),
+            buffer_free_bytes=draw(st.integers(0, 1 << 34)),
+            prefill_tokens_per_s=draw(st.sampled_from([5_000.0, 10_000.0, 20_000.0])),
+            group=draw(st.sampled_from(["a", "b", "c"])),
+            healthy=draw(st.booleans()) or draw(st.booleans()),
+            draining=draw(st.integers(0, 4)) == 0,
+        ))
+    return out
+
+
+@st.composite
+def views(draw):
+    return ClusterView(
+        prefill=draw(nodes("prefill", 0, 8)), decode=draw(nodes("decode", 0, 10)),
+        thresholds=Thresholds(draw(st.sampled_from([1.0, 3.0])), draw(st.sampled_from([2.0, 5.0]))),
+        cnic_bytes_per_s=draw(st.sampled_from([2e9, 25e9])),
+    )
+
+
+@st.composite
+def requests(draw):
+    prompt = draw(st.integers(1, 64_000))
+    hit = draw(st.integers(0, prompt))
+    return RouteRequest(
+        "r", prompt, hit, hit * 16_384, prompt * 16_384 // draw(st.sampled_from([1, 1000])),
+        draw(st.integers(0, 500)),
+    )
+
+
+def _by_id(view):
+    return {n.node_id: n for n in (*view.prefill, *view.decode)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), request=requests(), name=st.sampled_from(POLICY_NAMES))
+def test_never_an_unavailable_node(view, request, name):
+    d = get_policy(name).decide(request, view)
+    if d is None:
+        return
+    nodes = _by_id(view)
+    p, dn = nodes[d.prefill_node], nodes[d.decode_node]
+    assert p.role == "prefill" and dn.role == "decode"
+    assert p.healthy and not p.draining and dn.healthy and not dn.draining
+    assert dn.buffer_free_bytes >= request.context_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), request=requests())
+def test_never_overloaded_while_another_is_not(view, request):
+    for name in ("dualpath", "prefill-read", "decode-read"):
+        d = get_policy(name).decide(request, view)
+        if d is None:
+            continue
+        t = view.thresholds
+        chosen = _by_id(view)[d.prefill_node]
+        some_ok = any(
+            n.healthy and not n.draining and not is_overloaded(n, t) for n in view.prefill
+        )
+        assert not (some_ok and is_overloaded(chosen, t))
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), request=requests())
+def test_dualpath_never_picks_the_later_path(view, request):
+    d = get_policy("dualpath").decide(request, view)
+    if d is None:
+        return
+    nodes = _by_id(view)
+    via_p, via_d = path_finish_s(request, nodes[d.prefill_node], nodes[d.decode_node], view)
+    chosen = via_d if d.read_path is ReadPath.DECODE else via_p
+    assert chosen <= min(via_p, via_d) + 1e-12
+    assert d.est_read_finish_s <= d.est_other_finish_s + 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(view=views(), request=requests(), name=st.sampled_from(POLICY_NAMES))
+def test_same_input_same_decision(view, request, name):
+    a = get_policy(name).decide(request, copy.deepcopy(view))
+    b = get_policy(name).decide(request, copy.deepcopy(view))
+    assert a == b
+
+
+@settings(max_examples=100, deadline=None)
+@given(view=views(), request=requests())
+def test_decide_does_not_mutate_the_view(view, request):
+    before = copy.deepcopy(view)
+    get_policy("dualpath").decide(request, view)
+    assert [vars_(n) for n in view.prefill + view.decode] == [
+        vars_(n) for n in before.prefill + before.decode
+    ]
+
+
+def vars_(n):
+    return tuple(getattr(n, f) for f in n.__slots__)
+
+
+def test_waits_when_every_prefill_node_is_overloaded():
+    p = NodeState("p0", "prefill", tokens_queued=10**9)
+    view = ClusterView([p], [NodeState("d0", "decode")])
+    assert get_policy("dualpath").decide(RouteRequest("r", 100, 64, 1 << 20), view) is None
+
+
+def test_prefers_short_read_queue_then_fewest_tokens():
+    busy_reader = NodeState("p0", "prefill", read_pending_bytes=int(10 * SNIC), snic_bytes_per_s=SNIC)
+    loaded = NodeState("p1", "prefill", tokens_queued=1000, snic_bytes_per_s=SNIC)
+    idle = NodeState("p2", "prefill", tokens_queued=10, snic_bytes_per_s=SNIC)
+    view = ClusterView([busy_reader, loaded, idle], [NodeState("d0", "decode")])
+    assert get_policy("dualpath").decide(RouteRequest("r", 1000, 960, 1 << 20), view).prefill_node == "p2"
+    idle.read_pending_bytes = int(10 * SNIC)
+    assert get_policy("dualpath").decide(RouteRequest("r", 1000, 960, 1 << 20), view).prefill_node == "p1"
+
+
+def test_reads_through_the_idle_decode_snic_and_accounting_spreads_a_burst():
+    view = ClusterView(
+        [NodeState("p0", "prefill", snic_bytes_per_s=SNIC)],
+        [NodeState("d0", "decode", snic_bytes_per_s=SNIC), NodeState("d1", "decode", snic_bytes_per_s=SNIC)],
+        cnic_bytes_per_s=25e9,
+    )
+    policy = get_policy("dualpath")
+    paths = []
+    for i in range(30):
+        req = RouteRequest(f"r{i}", 10_000, 9_984, 100_000_000, 0, 10)
+        d = policy.decide(req, view)
+        account(view, req, d)
+        paths.append((d.read_path, d.decode_node))
+    # Three equal SNICs: a burst splits about a third each between p0, d0 and d1.
+    readers = [p.value if p is ReadPath.PREFILL else dn for p, dn in paths]
+    for who in ("prefill", "d0", "d1"):
+        assert 8 <= readers.count(who) <= 12, readers
+
+
+def test_prefill_read_and_decode_read_fix_the_path():
+    view = ClusterView([NodeState("p0", "prefill")], [NodeState("d0", "decode")])
+    req = RouteRequest("r", 1000, 960, 1 << 20)
+    assert get_policy("prefill-read").decide(req, view).read_path is ReadPath.PREFILL
+    assert get_policy("decode-read").decide(req, view).read_path is ReadPath.DECODE
+
+
+def test_unknown_policy_name_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="choose one of"):
+        get_policy("fastest")

@@ -1,0 +1,122 @@
+"""`dualpath bench scheduler`: decision latency in process and through gRPC on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import time
+
+from dualpath.scheduler.policy import ClusterView, NodeState, RouteRequest, get_policy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=144, help="total nodes, 1/3 prefill")
+    parser.add_argument("--decisions", type=int, default=50_000, help="in-process decisions")
+    parser.add_argument("--grpc-decisions", type=int, default=2_000)
+    parser.add_argument("--policy", default="dualpath")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+
+
+def random_view(n_prefill: int, n_decode: int, rng: random.Random) -> ClusterView:
+    snic = 50e9  # 400 Gbps
+    prefill = [
+        NodeState(f"p{i}", "prefill", read_pending_bytes=rng.randrange(0, int(6 * snic)),
+                  snic_bytes_per_s=snic, tokens_queued=rng.randrange(0, 60_000),
+                  prefill_tokens_per_s=10_000.0)
+        for i in range(n_prefill)
+    ]
+    decode = [
+        NodeState(f"d{i}", "decode", read_pending_bytes=rng.randrange(0, int(6 * snic)),
+                  snic_bytes_per_s=snic, tokens_running=rng.randrange(0, 500_000),
+                  requests_running=rng.randrange(0, 64), buffer_free_bytes=rng.randrange(1 << 30, 1 << 36),
+                  group=f"g{i // 8}")
+        for i in range(n_decode)
+    ]
+    return ClusterView(prefill, decode, cnic_bytes_per_s=8 * 50e9)
+
+
+def _requests(n: int, rng: random.Random) -> list[RouteRequest]:
+    out = []
+    for i in range(n):
+        prompt = rng.randrange(4_000, 64_000)
+        hit = prompt - rng.randrange(64, 700)
+        out.append(RouteRequest(f"r{i}", prompt, hit, hit * 70_000, prompt * 70_000, 180))
+    return out
+
+
+def _pct(sorted_ns: list[int], q: float) -> float:
+    return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1e3
+
+
+def in_process(n_nodes: int, n: int, policy_name: str, seed: int) -> dict:
+    rng = random.Random(seed)
+    n_prefill = n_nodes // 3
+    view = random_view(n_prefill, n_nodes - n_prefill, rng)
+    reqs = _requests(1000, rng)
+    policy = get_policy(policy_name)
+    lat = []
+    clock = time.perf_counter_ns
+    t_start = clock()
+    for i in range(n):
+        t0 = clock()
+        policy.decide(reqs[i % 1000], view)
+        lat.append(clock() - t0)
+    wall_s = (clock() - t_start) / 1e9
+    lat.sort()
+    return {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99),
+            "decisions_per_s": n / wall_s, "decisions": n}
+
+
+async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dict:
+    from dualpath import config
+    from dualpath.scheduler.cli import build
+    from dualpath.scheduler.client import SchedulerClient
+
+    server = build(config.local_default(), policy_name, "127.0.0.1", 0)
+    server.servicer.state.node_timeout_s = 3600.0  # no heartbeats in this bench
+    logging.getLogger("dualpath.scheduler.state").setLevel(logging.WARNING)
+    await server.start()
+    rng = random.Random(seed)
+    n_prefill = n_nodes // 3
+    view = random_view(n_prefill, n_nodes - n_prefill, rng)
+    for node in (*view.prefill, *view.decode):
+        server.servicer.state.register(node, f"127.0.0.1:{1000}")
+    client = SchedulerClient(f"127.0.0.1:{server.port}")
+    reqs = _requests(n, rng)
+    lat = []
+    try:
+        t_start = time.perf_counter_ns()
+        for r in reqs:
+            t0 = time.perf_counter_ns()
+            resp = await client.route(prompt_tokens=r.prompt_tokens, hit_tokens=r.hit_tokens,
+                                      hit_bytes=r.hit_bytes, context_bytes=0,
+                                      max_new_tokens=r.max_new_tokens)
+            lat.append(time.perf_counter_ns() - t0)
+            await client.complete(resp.request_id)
+        wall_s = (time.perf_counter_ns() - t_start) / 1e9
+    finally:
+        await client.close()
+        await server.stop(0)
+    lat.sort()
+    return {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99),
+            "routes_per_s": n / wall_s, "decisions": n}
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"bench scheduler: {args.nodes} nodes, policy {args.policy}", file=sys.stderr)
+    res_in = in_process(args.nodes, args.decisions, args.policy, args.seed)
+    res_grpc = asyncio.run(through_grpc(args.nodes, args.grpc_decisions, args.policy, args.seed))
+    out = {
+        "bench": "scheduler", "nodes": args.nodes, "prefill_nodes": args.nodes // 3,
+        "decode_nodes": args.nodes - args.nodes // 3, "policy": args.policy,
+        "in_process": res_in, "grpc_loopback": res_grpc,
+        "bars": {"p99_us_max": 50, "decisions_per_s_min": 20_000},
+        "pass": res_in["p99_us"] < 50 and res_in["decisions_per_s"] >= 20_000,
+    }
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0

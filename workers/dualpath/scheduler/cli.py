@@ -1,0 +1,59 @@
+"""`dualpath scheduler`: run the gRPC scheduler service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from dualpath import config
+from dualpath.observability import ObservabilityServer
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, help="gRPC port (default: spec.scheduler.port)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
+    parser.add_argument("--policy", help="override spec.scheduler.policy")
+
+
+def build(cfg: config.ClusterConfig, policy_name: str | None = None, host: str = "0.0.0.0",
+          port: int = 0):
+    from dualpath.scheduler.policy import get_policy, thresholds_from_spec
+    from dualpath.scheduler.service import SchedulerServer, SchedulerServicer
+    from dualpath.scheduler.state import SchedulerState
+
+    s = cfg.spec.scheduler
+    cnic = cfg.spec.network.cnic_gbps * 1e9 / 8 if cfg.spec.network.cnic_gbps else 25.0e9
+    state = SchedulerState(
+        get_policy(policy_name or s.policy.value), thresholds_from_spec(s),
+        node_timeout_s=s.node_timeout_ms / 1000.0, cnic_bytes_per_s=cnic,
+    )
+    servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
+    return SchedulerServer(servicer, host, port)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    cfg = config.load(args.file) if args.file else config.local_default()
+    port = args.port if args.port is not None else cfg.spec.scheduler.port
+    server = build(cfg, args.policy, args.host, port)
+    obs = ObservabilityServer(args.metrics_port).start()
+    await server.start()
+    print(f"READY scheduler grpc={server.port} metrics={obs.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping scheduler")
+    await server.stop()
+    obs.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0

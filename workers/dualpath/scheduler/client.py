@@ -1,0 +1,163 @@
+"""Clients of the scheduler: `SchedulerClient` (frontend: route/complete) and `NodeAgent`
+(worker: register + heartbeat stream, re-registering when the scheduler restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# Retries declared in the channel's service config, not in loops (grpc examples' habit).
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "dualpath.v1.Scheduler"}],
+        "retryPolicy": {
+            "maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "1s",
+            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address,
+        options=[("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+    )
+
+
+class SchedulerClient:
+    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = channel(address)
+        self.stub = pb_grpc.SchedulerStub(self._channel)
+
+    async def route(self, **fields) -> pb.RouteResponse:
+        return await self.stub.Route(
+            pb.RouteRequest(**fields), timeout=self.timeout_s, wait_for_ready=True
+        )
+
+    async def complete(self, request_id: str, generated_tokens: int = 0, ok: bool = True) -> None:
+        await self.stub.Complete(
+            pb.CompleteRequest(request_id=request_id, generated_tokens=generated_tokens, ok=ok),
+            timeout=self.timeout_s, wait_for_ready=True,
+        )
+
+    async def cluster_view(self) -> pb.ClusterViewResponse:
+        return await self.stub.ClusterView(pb.ClusterViewRequest(), timeout=self.timeout_s)
+
+    async def drain(self, node_id: str) -> bool:
+        resp = await self.stub.Drain(pb.DrainRequest(node_id=node_id), timeout=self.timeout_s)
+        return resp.known
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+@dataclass(slots=True)
+class Registration:
+    node_id: str
+    role: str  # "prefill" | "decode"
+    address: str
+    transfer_address: str = ""
+    snic_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    group: str = "default"
+    config_hash: str = ""
+
+
+class NodeAgent:
+    """Keeps one worker registered and heartbeating. `load()` returns a `pb.NodeLoad`.
+
+    On a stream error or a `known=False` ack (scheduler restarted and lost its view) it
+    registers again, with bounded, logged backoff. `stop()` ends the task.
+    """
+
+    def __init__(
+        self, scheduler_address: str, reg: Registration, load: Callable[[], pb.NodeLoad],
+        interval_s: float = 0.02, rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self.reg = reg
+        self.load = load
+        self.interval_s = interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._channel = channel(scheduler_address)
+        self.stub = pb_grpc.SchedulerStub(self._channel)
+        self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
+        self.registrations = 0
+
+    def start(self) -> NodeAgent:
+        self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.reg.node_id}")
+        return self
+
+    async def _register(self) -> None:
+        role = pb.ROLE_PREFILL if self.reg.role == "prefill" else pb.ROLE_DECODE
+        resp = await self.stub.Register(
+            pb.RegisterRequest(
+                node_id=self.reg.node_id, role=role, address=self.reg.address,
+                transfer_address=self.reg.transfer_address,
+                snic_bytes_per_s=self.reg.snic_bytes_per_s,
+                prefill_tokens_per_s=self.reg.prefill_tokens_per_s, group=self.reg.group,
+                config_hash=self.reg.config_hash, load=self.load(),
+            ),
+            timeout=self.rpc_timeout_s, wait_for_ready=True,
+        )
+        self.registrations += 1
+        if resp.heartbeat_interval_ms:
+            self.interval_s = resp.heartbeat_interval_ms / 1000.0
+        log.info("registered %s with the scheduler (#%d)", self.reg.node_id, self.registrations)
+
+    async def _beats(self):
+        while not self._stopping.is_set():
+            yield pb.Heartbeat(node_id=self.reg.node_id, load=self.load())
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=self.interval_s)
+            except TimeoutError:
+                pass
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            try:
+                await self._register()
+                backoff = 0.05
+                async for ack in self.stub.Heartbeats(self._beats()):
+                    if not ack.known:
+                        log.warning("scheduler does not know %s: registering again",
+                                    self.reg.node_id)
+                        break
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as err:
+                if self._stopping.is_set():
+                    break
+                log.warning("scheduler unreachable (%s); retry in %.2fs",
+                            err.code().name, backoff)
+            if self._stopping.is_set():
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def drain(self) -> None:
+        await self.stub.Drain(pb.DrainRequest(node_id=self.reg.node_id), timeout=self.rpc_timeout_s)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task:
+            try:
+                await asyncio.wait_for(self._task, timeout=2.0)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        await self._channel.close()

@@ -1,0 +1,201 @@
+"""The scheduler's gRPC shell: a thin asyncio servicer over `SchedulerState` and the policy.
+
+Also serves the standard health service (with graceful shutdown) and reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dualpath.scheduler import metrics as m
+from dualpath.scheduler.policy import NodeState, ReadPath, RouteRequest
+from dualpath.scheduler.state import SchedulerState
+from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_ROLE = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
+_PATH = {ReadPath.PREFILL: pb.READ_PATH_PREFILL, ReadPath.DECODE: pb.READ_PATH_DECODE}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(
+        self, state: SchedulerState, heartbeat_interval_ms: int, node_timeout_ms: int,
+        default_queue_timeout_s: float = 5.0,
+    ) -> None:
+        self.state = state
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.node_timeout_ms = node_timeout_ms
+        self.default_queue_timeout_s = default_queue_timeout_s
+        self._changed = asyncio.Event()  # set on every load change: waiting routes retry
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def Register(self, request, context):  # noqa: N802 (gRPC API)
+        role = _ROLE.get(request.role)
+        if role is None or not request.node_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id and role are required")
+        load = request.load
+        state = NodeState(
+            node_id=request.node_id, role=role,
+            read_pending_bytes=load.read_pending_bytes,
+            snic_bytes_per_s=request.snic_bytes_per_s or 1.0e9,
+            tokens_queued=load.tokens_queued, tokens_running=load.tokens_running,
+            requests_running=load.requests_running,
+            buffer_free_bytes=load.buffer_free_bytes or (1 << 40),
+            prefill_tokens_per_s=request.prefill_tokens_per_s or 10_000.0,
+            group=request.group or "default", draining=load.draining,
+        )
+        self.state.register(state, request.address, request.transfer_address, request.config_hash)
+        self._notify()
+        return pb.RegisterResponse(
+            heartbeat_interval_ms=self.heartbeat_interval_ms, node_timeout_ms=self.node_timeout_ms
+        )
+
+    async def Heartbeats(self, request_iterator, context):  # noqa: N802
+        async for hb in request_iterator:
+            ld = hb.load
+            known = self.state.heartbeat(
+                hb.node_id, ld.read_pending_bytes, ld.tokens_queued, ld.tokens_running,
+                ld.requests_running, ld.buffer_free_bytes, ld.draining,
+            )
+            if known:
+                m.NODE_READ_PENDING.labels(hb.node_id).set(ld.read_pending_bytes)
+                m.NODE_TOKENS.labels(hb.node_id).set(ld.tokens_queued + ld.tokens_running)
+                m.NODE_HEALTHY.labels(hb.node_id).set(1)
+                self._notify()
+            yield pb.HeartbeatAck(known=known)
+
+    async def Route(self, request, context):  # noqa: N802
+        if request.prompt_tokens <= 0 or request.hit_tokens < 0 or (
+            request.hit_tokens > request.prompt_tokens
+        ):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "prompt_tokens must be > 0 and 0 <= hit_tokens <= prompt_tokens",
+            )
+        rr = RouteRequest(
+            request_id=request.request_id, prompt_tokens=request.prompt_tokens,
+            hit_tokens=request.hit_tokens, hit_bytes=request.hit_bytes,
+            context_bytes=request.context_bytes, max_new_tokens=request.max_new_tokens,
+            session_id=request.session_id,
+        )
+        timeout_s = request.queue_timeout_s or self.default_queue_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout_s = min(timeout_s, max(remaining - 0.05, 0.0))
+        deadline = time.monotonic() + timeout_s
+        waited = False
+        while True:
+            t0 = time.perf_counter()
+            decision = self.state.route(rr)
+            m.DECISION_LATENCY.observe(time.perf_counter() - t0)
+            if decision is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                m.REFUSED.inc()
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no prefill/decode node can take the request within {timeout_s:.1f}s "
+                    "(all overloaded, draining or unhealthy)",
+                )
+            if not waited:
+                m.WAITS.inc()
+                waited = True
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=min(left, 0.05))
+            except TimeoutError:
+                pass
+        m.DECISIONS.labels(self.state.policy.name, decision.read_path.value).inc()
+        m.IN_FLIGHT.set(len(self.state.in_flight))
+        nodes = self.state.nodes
+        return pb.RouteResponse(
+            request_id=decision.request_id,
+            prefill_node=decision.prefill_node,
+            prefill_address=nodes[decision.prefill_node].address,
+            decode_node=decision.decode_node,
+            decode_address=nodes[decision.decode_node].address,
+            read_path=_PATH[decision.read_path],
+            policy=self.state.policy.name,
+            est_read_finish_s=decision.est_read_finish_s,
+        )
+
+    async def Complete(self, request, context):  # noqa: N802
+        # Unknown ids are fine: a restarted scheduler forgets requests that still finish.
+        self.state.complete(request.request_id)
+        m.IN_FLIGHT.set(len(self.state.in_flight))
+        return pb.CompleteResponse()
+
+    async def Drain(self, request, context):  # noqa: N802
+        known = self.state.drain(request.node_id)
+        return pb.DrainResponse(known=known)
+
+    async def ClusterView(self, request, context):  # noqa: N802
+        now = self.state.clock()
+        out = pb.ClusterViewResponse(
+            policy=self.state.policy.name, routed_total=self.state.routed_total,
+            in_flight=len(self.state.in_flight),
+        )
+        for rec in self.state.nodes.values():
+            s = rec.state
+            out.nodes.add(
+                node_id=s.node_id,
+                role=pb.ROLE_PREFILL if s.role == "prefill" else pb.ROLE_DECODE,
+                address=rec.address, healthy=s.healthy, group=s.group,
+                seconds_since_heartbeat=now - rec.last_seen_s,
+                load=pb.NodeLoad(
+                    read_pending_bytes=s.read_pending_bytes, tokens_queued=s.tokens_queued,
+                    tokens_running=s.tokens_running, requests_running=s.requests_running,
+                    buffer_free_bytes=s.buffer_free_bytes, draining=s.draining,
+                ),
+            )
+        return out
+
+
+class SchedulerServer:
+    """Owns the grpc.aio server, the health service and the liveness task."""
+
+    def __init__(self, servicer: SchedulerServicer, host: str = "0.0.0.0", port: int = 0) -> None:
+        self.servicer = servicer
+        self.server = grpc.aio.server()
+        pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self._liveness: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._liveness = asyncio.create_task(self._expire_loop(), name="scheduler-liveness")
+        log.info("scheduler serving on :%d (policy %s)", self.port, self.servicer.state.policy.name)
+
+    async def _expire_loop(self) -> None:
+        period = max(self.servicer.node_timeout_ms / 4000.0, 0.005)
+        while True:
+            await asyncio.sleep(period)
+            for node_id in self.servicer.state.expire():
+                m.NODE_HEALTHY.labels(node_id).set(0)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._liveness:
+            self._liveness.cancel()
+        await self.server.stop(grace_s)
+        log.info("scheduler stopped")
