@@ -2,9 +2,6 @@
 
 import copy
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dualpath.scheduler.policy import (
     POLICY_NAMES,
     ClusterView,
@@ -16,6 +13,8 @@ from dualpath.scheduler.policy import (
     get_policy,
 )
 from dualpath.scheduler.policy.inter_node import is_overloaded, path_finish_s
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SNIC = 1.0e9
 

@@ -57,6 +57,7 @@ class SchedulerState:
         self.view = ClusterView([], [], thresholds, cnic_bytes_per_s)
         self.in_flight: dict[str, InFlight] = {}
         self.routed_total = 0
+        self.drained: set[str] = set()  # drained through the API: sticky over heartbeats
         self._ids = itertools.count(1)
 
     # -- membership ---------------------------------------------------------------------
@@ -64,6 +65,7 @@ class SchedulerState:
         self, state: NodeState, address: str, transfer_address: str = "", config_hash: str = ""
     ) -> None:
         known = state.node_id in self.nodes
+        state.draining = state.draining or state.node_id in self.drained
         self.nodes[state.node_id] = NodeRecord(
             state, address, transfer_address, config_hash, self.clock()
         )
@@ -88,6 +90,7 @@ class SchedulerState:
         s.tokens_running = tokens_running
         s.requests_running = requests_running
         s.buffer_free_bytes = buffer_free_bytes
+        draining = draining or node_id in self.drained
         if draining and not s.draining:
             log.info("node %s is draining", node_id)
         s.draining = draining
@@ -102,6 +105,7 @@ class SchedulerState:
         if rec is None:
             return False
         rec.state.draining = True
+        self.drained.add(node_id)
         log.info("node %s drained by request: no new requests", node_id)
         return True
 
