@@ -1,0 +1,187 @@
+"""Model, prefill over a per-layer source, paged decode: against full recomputation."""
+
+import asyncio
+
+import pytest
+import torch
+from dualpath.config import ModelSpec
+from dualpath.engine import (
+    CacheFullError,
+    Engine,
+    MemorySource,
+    SamplingParams,
+    ThrottledSource,
+    Transformer,
+    load_checkpoint,
+    save_checkpoint,
+    spec_from_checkpoint,
+)
+
+SPEC = ModelSpec(preset="tiny", block_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(SPEC, kv_capacity_tokens=2048)
+    yield e
+    e.close()
+
+
+def toks(n, seed=0):
+    return torch.randint(0, SPEC.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_reference(model, tokens, n):
+    seq, out = list(tokens.tolist()), []
+    for _ in range(n):
+        logits, _ = model.forward_full(torch.tensor(seq))
+        out.append(int(logits[-1].argmax()))
+        seq.append(out[-1])
+    return out
+
+
+def test_seeded_init_is_deterministic_and_seed_dependent():
+    a, b = Transformer.from_seed(SPEC), Transformer.from_seed(SPEC)
+    c = Transformer.from_seed(SPEC, seed=1)
+    x = toks(10)
+    la, lb, lc = a.forward_full(x)[0], b.forward_full(x)[0], c.forward_full(x)[0]
+    assert torch.equal(la, lb)
+    assert not torch.allclose(la, lc)
+
+
+@pytest.mark.parametrize("hit_blocks,new", [(1, 5), (2, 8), (3, 13), (0, 7)])
+async def test_prefill_with_hit_matches_full(engine, hit_blocks, new):
+    hit = hit_blocks * SPEC.block_tokens
+    x = toks(hit + new, seed=hit + new)
+    ref_logits, ref_kv = engine.model.forward_full(x)
+    src = MemorySource([(k[:hit], v[:hit]) for k, v in ref_kv])
+    run = engine.prefill(x[hit:], hit, src, all_logits=True)
+    seen = []
+    async for layer, k, v in run:
+        seen.append(layer)
+        assert k.shape == (new, SPEC.kv_heads, SPEC.head_dim)
+        torch.testing.assert_close(k, ref_kv[layer][0][hit:], atol=1e-4, rtol=0)
+        torch.testing.assert_close(v, ref_kv[layer][1][hit:], atol=1e-4, rtol=0)
+    assert seen == list(range(SPEC.layers))
+    torch.testing.assert_close(run.logits, ref_logits[hit:], atol=1e-4, rtol=0)
+
+
+async def test_prefill_rejects_wrong_hit_shape(engine):
+    x = toks(12)
+    _, kv = engine.model.forward_full(x)
+    src = MemorySource([(k[:4], v[:4]) for k, v in kv])
+    with pytest.raises(ValueError, match="hit_tokens, kv_heads, head_dim"):
+        await engine.prefill(x[8:], 8, src).collect()
+
+
+async def test_throttled_source_delivers_the_same_kv(engine):
+    x = toks(24)
+    ref_logits, kv = engine.model.forward_full(x)
+    src = ThrottledSource([(k[:16], v[:16]) for k, v in kv], bytes_per_s=50e6)
+    _, logits = await engine.prefill(x[16:], 16, src).collect()
+    torch.testing.assert_close(logits[0], ref_logits[-1], atol=1e-4, rtol=0)
+
+
+async def test_continuous_batching_matches_recompute(engine):
+    # three sequences of different lengths, one joining late; greedy == recomputation
+    lengths = [9, 16, 21]
+    prompts = [toks(n, seed=100 + n) for n in lengths]
+    want = [greedy_reference(engine.model, p, 6) for p in prompts]
+    got = {i: [] for i in range(3)}
+    for i in (0, 1):
+        kv, logits = await engine.prefill(prompts[i]).collect()
+        got[i].append(engine.add_sequence(f"s{i}", kv, logits[-1], SamplingParams(max_tokens=6)).token)
+    for out in await engine.astep():
+        got[int(out.seq_id[1])].append(out.token)
+    kv, logits = await engine.prefill(prompts[2]).collect()
+    got[2].append(engine.add_sequence("s2", kv, logits[-1], SamplingParams(max_tokens=6)).token)
+    for _ in range(10):
+        outs = await engine.astep()
+        if not outs:
+            break
+        for out in outs:
+            got[int(out.seq_id[1])].append(out.token)
+    assert [got[i] for i in range(3)] == want
+    assert engine.running == []
+    # the cached KV of a finished sequence equals the recomputed context's KV
+    full = torch.cat([prompts[0], torch.tensor(want[0][:-1])])
+    _, ref_kv = engine.model.forward_full(full)
+    cached = engine.sequence_kv("s0")
+    torch.testing.assert_close(cached[1][0], ref_kv[1][0], atol=1e-4, rtol=0)
+    for i in range(3):
+        engine.free(f"s{i}")
+
+
+async def test_stop_tokens_and_max_tokens(engine):
+    p = toks(10, seed=7)
+    ref = greedy_reference(engine.model, p, 4)
+    kv, logits = await engine.prefill(p).collect()
+    first = engine.add_sequence("stop", kv, logits[-1], SamplingParams(max_tokens=50, stop_tokens=(ref[2],)))
+    outs = [first]
+    while engine.running:
+        outs += engine.step()
+    assert [o.token for o in outs] == ref[: ref.index(ref[2]) + 1]
+    assert outs[-1].reason == "stop" and outs[-1].finished
+    engine.free("stop")
+    one = engine.add_sequence("one", kv, logits[-1], SamplingParams(max_tokens=1))
+    assert one.finished and one.reason == "length"
+    engine.free("one")
+
+
+async def test_temperature_sampling_is_seeded(engine):
+    p = toks(10, seed=3)
+    kv, logits = await engine.prefill(p).collect()
+    runs = []
+    for seed in (1, 1, 2):
+        params = SamplingParams(temperature=1.5, max_tokens=8, seed=seed)
+        out = [engine.add_sequence("t", kv, logits[-1], params).token]
+        while engine.running:
+            out += [o.token for o in engine.step()]
+        engine.free("t")
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_cache_full_is_an_error_naming_the_fix():
+    e = Engine(SPEC, kv_capacity_tokens=16)
+    try:
+        _, kv = e.model.forward_full(toks(10))
+        with pytest.raises(CacheFullError, match="kv_capacity_tokens"):
+            e.add_sequence("big", kv, torch.zeros(SPEC.vocab_size), SamplingParams(max_tokens=20))
+    finally:
+        e.close()
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    model = Transformer.from_seed(SPEC)
+    save_checkpoint(model, tmp_path / "ckpt")
+    spec = spec_from_checkpoint(tmp_path / "ckpt", block_tokens=8)
+    assert (spec.layers, spec.heads, spec.kv_heads, spec.head_dim) == (4, 4, 2, 16)
+    loaded = load_checkpoint(tmp_path / "ckpt", spec)
+    x = toks(12)
+    assert torch.equal(model.forward_full(x)[0], loaded.forward_full(x)[0])
+
+
+def test_missing_checkpoint_names_the_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpointPath"):
+        load_checkpoint(tmp_path)
+
+
+def test_prefill_runs_compute_off_the_loop(engine):
+    # the loop stays responsive while a prefill computes: a ticker advances during it
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        await engine.prefill(toks(200)).collect()
+        t.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > SPEC.layers

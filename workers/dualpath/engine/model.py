@@ -1,0 +1,298 @@
+"""A decoder-only transformer (Llama / Qwen2 style): RMSNorm, rotary, GQA, SwiGLU.
+
+The model is split into per-layer pieces (`embed`, `layer_forward`, `head`) so the prefill can
+interleave layer `l`'s compute with the arrival of layer `l+1`'s hit KV, and the decode can run
+one batched step over paged KV. Weights are initialised deterministically from `ModelSpec.seed`
+or loaded from a local Llama/Qwen2-format checkpoint (config.json + *.safetensors).
+
+K is cached after rotary (as in HF / vLLM), so a hit prefix's K is used as is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dualpath.config import ModelSpec
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+def configure_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op threads from `threads`, else $DUALPATH_TORCH_THREADS, else 1."""
+    n = threads or int(os.environ.get("DUALPATH_TORCH_THREADS", "0") or 0) or 1
+    torch.set_num_threads(n)
+    return n
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, qkv_bias: bool) -> None:
+        super().__init__()
+        hd, h, kvh = spec.head_dim, spec.heads, spec.kv_heads
+        inter = spec.intermediate_size or 4 * spec.hidden_size
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.q_proj = nn.Linear(spec.hidden_size, h * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kvh * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kvh * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(h * hd, spec.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.gate_proj = nn.Linear(spec.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (n, head_dim) for integer `positions` (HF rotate-half convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (n, heads, head_dim); cos/sin: (n, head_dim)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * c + rot * s
+
+
+class Transformer(nn.Module):
+    """Weights plus the per-layer forward pieces; holds no KV itself."""
+
+    def __init__(self, spec: ModelSpec, qkv_bias: bool = False, tie_embeddings: bool = False):
+        super().__init__()
+        if spec.attention != "gqa":
+            raise ValueError("the engine runs GQA models only (model.attention: gqa)")
+        if spec.dtype not in TORCH_DTYPES:
+            raise ValueError(f"model.dtype {spec.dtype!r} cannot run; use one of {list(TORCH_DTYPES)}")
+        self.spec = spec
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(spec, qkv_bias) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tie_embeddings = tie_embeddings
+        if tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.groups = spec.heads // spec.kv_heads
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.requires_grad_(False)
+        self.eval()
+
+    # ---- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_seed(cls, spec: ModelSpec, seed: int | None = None) -> Transformer:
+        """Deterministic weights: the same spec and seed give bit-identical weights anywhere."""
+        model = cls(spec)
+        gen = torch.Generator().manual_seed(spec.seed if seed is None else seed)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters()):
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                elif name == "embed_tokens.weight":
+                    p.copy_(torch.randn(p.shape, generator=gen))
+                else:  # fan-in scaled so activations and logits stay O(1) through the layers
+                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        return model.to(model.dtype)
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> Transformer:
+        """From `spec.checkpoint_path` when set, else seeded."""
+        if spec.checkpoint_path:
+            return load_checkpoint(spec.checkpoint_path, spec)
+        return cls.from_seed(spec)
+
+    # ---- forward pieces ---------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def qkv(
+        self, l: int, h: torch.Tensor, positions: torch.Tensor  # noqa: E741
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q (n, heads, hd), rotated k and v (n, kv_heads, hd) of layer `l`."""
+        blk, s = self.layers[l], self.spec
+        x = blk.input_layernorm(h)
+        n = h.shape[0]
+        q = blk.q_proj(x).view(n, s.heads, s.head_dim)
+        k = blk.k_proj(x).view(n, s.kv_heads, s.head_dim)
+        v = blk.v_proj(x).view(n, s.kv_heads, s.head_dim)
+        cos, sin = rotary(positions, s.head_dim, s.rope_theta)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def finish(self, l: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:  # noqa: E741
+        """Residual + output projection + SwiGLU MLP; attn is (n, heads*hd)."""
+        blk = self.layers[l]
+        h = h + blk.o_proj(attn)
+        x = blk.post_attention_layernorm(h)
+        return h + blk.down_proj(F.silu(blk.gate_proj(x)) * blk.up_proj(x))
+
+    def prefill_layer(
+        self, l: int, h: torch.Tensor, hit_k: torch.Tensor, hit_v: torch.Tensor, start: int  # noqa: E741
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `l` over new tokens at positions start.. attending to hit KV + themselves."""
+        n = h.shape[0]
+        positions = torch.arange(start, start + n)
+        q, k, v = self.qkv(l, h, positions)
+        keys = torch.cat([hit_k.to(k.dtype), k]) if hit_k.shape[0] else k
+        vals = torch.cat([hit_v.to(v.dtype), v]) if hit_v.shape[0] else v
+        total = keys.shape[0]
+        # query i (position start+i) sees keys j <= start+i
+        mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + (total - n))
+        qh = q.transpose(0, 1)
+        kh = keys.transpose(0, 1).repeat_interleave(self.groups, dim=0)
+        vh = vals.transpose(0, 1).repeat_interleave(self.groups, dim=0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        out = out.transpose(0, 1).reshape(n, -1)
+        return self.finish(l, h, out), k, v
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def forward_full(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Reference: logits (n, vocab) and per-layer KV of the whole sequence, no cache."""
+        h = self.embed(tokens)
+        empty = torch.empty(0, self.spec.kv_heads, self.spec.head_dim, dtype=self.dtype)
+        kv = []
+        for l in range(self.spec.layers):  # noqa: E741
+            h, k, v = self.prefill_layer(l, h, empty, empty, 0)
+            kv.append((k, v))
+        return self.head(h), kv
+
+
+# ---- Llama / Qwen2 checkpoints ----------------------------------------------------------------
+
+_HF_FIELDS = {
+    "num_hidden_layers": "layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps",
+}
+_HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def spec_from_checkpoint(path: str | Path, **overrides: object) -> ModelSpec:
+    """A ModelSpec with the dims of a checkpoint's config.json (overrides win)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    dims: dict[str, object] = {"preset": None, "checkpoint_path": str(path)}
+    for hf, ours in _HF_FIELDS.items():
+        if hf in cfg and cfg[hf] is not None:
+            dims[ours] = cfg[hf]
+    dims.setdefault("kv_heads", cfg.get("num_attention_heads"))
+    if "head_dim" not in dims:
+        dims["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg.get("torch_dtype") in _HF_DTYPES:
+        dims["dtype"] = _HF_DTYPES[cfg["torch_dtype"]]
+    dims["name"] = cfg.get("_name_or_path") or Path(path).name
+    dims.update(overrides)
+    return ModelSpec(**dims)
+
+
+def load_checkpoint(path: str | Path, spec: ModelSpec | None = None) -> Transformer:
+    """Load a Llama/Qwen2-format checkpoint directory (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.checkpointPath {path}: no config.json there")
+    cfg = json.loads((path / "config.json").read_text())
+    spec = spec or spec_from_checkpoint(path)
+    qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
+    tie = bool(cfg.get("tie_word_embeddings", False))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.checkpointPath {path}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    model = Transformer(spec, qkv_bias=qkv_bias, tie_embeddings=tie)
+    ours = {}
+    for key, t in state.items():
+        name = key.removeprefix("model.")
+        name = name.replace("self_attn.", "").replace("mlp.", "")
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        ours[name] = t
+    if tie:
+        ours.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    missing = [m for m in missing if not (tie and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match a Llama/Qwen2 model of config.json: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    log.info("loaded checkpoint %s (%d layers, %d tensors)", path, spec.layers, len(state))
+    return model.to(model.dtype)
+
+
+def save_checkpoint(model: Transformer, path: str | Path) -> None:
+    """Write `model` as a Llama-format checkpoint (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    s = model.spec
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": s.layers,
+        "hidden_size": s.hidden_size,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "intermediate_size": s.intermediate_size or 4 * s.hidden_size,
+        "vocab_size": s.vocab_size,
+        "rope_theta": s.rope_theta,
+        "rms_norm_eps": s.rms_norm_eps,
+        "torch_dtype": s.dtype,
+        "tie_word_embeddings": model.tie_embeddings,
+        "attention_bias": model.layers[0].q_proj.bias is not None,
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {}
+    for name, t in model.state_dict().items():
+        if model.tie_embeddings and name == "lm_head.weight":
+            continue
+        if name.startswith("layers."):
+            parts = name.split(".")
+            sub = "self_attn." if parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj") else (
+                "mlp." if parts[2] in ("gate_proj", "up_proj", "down_proj") else "")
+            name = ".".join(parts[:2] + [sub + ".".join(parts[2:])])
+        hf = name if name.startswith("lm_head") else f"model.{name}"
+        state[hf] = t.contiguous()
+    save_file(state, str(path / "model.safetensors"))
