@@ -90,7 +90,9 @@ async def test_continuous_batching_matches_recompute(engine):
     got = {i: [] for i in range(3)}
     for i in (0, 1):
         kv, logits = await engine.prefill(prompts[i]).collect()
-        got[i].append(engine.add_sequence(f"s{i}", kv, logits[-1], SamplingParams(max_tokens=6)).token)
+        got[i].append(
+            engine.add_sequence(f"s{i}", kv, logits[-1], SamplingParams(max_tokens=6)).token
+        )
     for out in await engine.astep():
         got[int(out.seq_id[1])].append(out.token)
     kv, logits = await engine.prefill(prompts[2]).collect()
@@ -116,7 +118,9 @@ async def test_stop_tokens_and_max_tokens(engine):
     p = toks(10, seed=7)
     ref = greedy_reference(engine.model, p, 4)
     kv, logits = await engine.prefill(p).collect()
-    first = engine.add_sequence("stop", kv, logits[-1], SamplingParams(max_tokens=50, stop_tokens=(ref[2],)))
+    first = engine.add_sequence(
+        "stop", kv, logits[-1], SamplingParams(max_tokens=50, stop_tokens=(ref[2],))
+    )
     outs = [first]
     while engine.running:
         outs += engine.step()

@@ -52,7 +52,11 @@ class Engine:
         self.sequences: dict[str, Sequence_] = {}
         log.info(
             "engine %s: %d layers, kv cache %d pages x %d tokens, %d torch threads",
-            spec.name, spec.layers, self.cache.pages, self.cache.page_tokens, self.threads,
+            spec.name,
+            spec.layers,
+            self.cache.pages,
+            self.cache.page_tokens,
+            self.threads,
         )
 
     # ---- prefill ----------------------------------------------------------------------------
@@ -87,7 +91,9 @@ class Engine:
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id!r} already in the engine; free it first")
         if len(kv_layers) != self.spec.layers:
-            raise ValueError(f"kv_layers has {len(kv_layers)} layers; the model has {self.spec.layers}")
+            raise ValueError(
+                f"kv_layers has {len(kv_layers)} layers; the model has {self.spec.layers}"
+            )
         params = params or SamplingParams()
         length = kv_layers[0][0].shape[0]
         pages = self.cache.allocate(self.cache.pages_for(length + params.max_tokens))

@@ -66,7 +66,9 @@ class Block(nn.Module):
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (n, head_dim) for integer `positions` (HF rotate-half convention)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
@@ -90,7 +92,9 @@ class Transformer(nn.Module):
         if spec.attention != "gqa":
             raise ValueError("the engine runs GQA models only (model.attention: gqa)")
         if spec.dtype not in TORCH_DTYPES:
-            raise ValueError(f"model.dtype {spec.dtype!r} cannot run; use one of {list(TORCH_DTYPES)}")
+            raise ValueError(
+                f"model.dtype {spec.dtype!r} cannot run; use one of {list(TORCH_DTYPES)}"
+            )
         self.spec = spec
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
@@ -137,10 +141,13 @@ class Transformer(nn.Module):
         return self.embed_tokens(tokens)
 
     def qkv(
-        self, l: int, h: torch.Tensor, positions: torch.Tensor  # noqa: E741
+        self,
+        layer: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q (n, heads, hd), rotated k and v (n, kv_heads, hd) of layer `l`."""
-        blk, s = self.layers[l], self.spec
+        """Rotated q (n, heads, hd), rotated k and v (n, kv_heads, hd) of layer `layer`."""
+        blk, s = self.layers[layer], self.spec
         x = blk.input_layernorm(h)
         n = h.shape[0]
         q = blk.q_proj(x).view(n, s.heads, s.head_dim)
@@ -157,12 +164,17 @@ class Transformer(nn.Module):
         return h + blk.down_proj(F.silu(blk.gate_proj(x)) * blk.up_proj(x))
 
     def prefill_layer(
-        self, l: int, h: torch.Tensor, hit_k: torch.Tensor, hit_v: torch.Tensor, start: int  # noqa: E741
+        self,
+        layer: int,
+        h: torch.Tensor,
+        hit_k: torch.Tensor,
+        hit_v: torch.Tensor,
+        start: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `l` over new tokens at positions start.. attending to hit KV + themselves."""
+        """Layer `layer` over new tokens at positions start.. attending to hit KV + themselves."""
         n = h.shape[0]
         positions = torch.arange(start, start + n)
-        q, k, v = self.qkv(l, h, positions)
+        q, k, v = self.qkv(layer, h, positions)
         keys = torch.cat([hit_k.to(k.dtype), k]) if hit_k.shape[0] else k
         vals = torch.cat([hit_v.to(v.dtype), v]) if hit_v.shape[0] else v
         total = keys.shape[0]
@@ -173,12 +185,14 @@ class Transformer(nn.Module):
         vh = vals.transpose(0, 1).repeat_interleave(self.groups, dim=0)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         out = out.transpose(0, 1).reshape(n, -1)
-        return self.finish(l, h, out), k, v
+        return self.finish(layer, h, out), k, v
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
 
-    def forward_full(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def forward_full(
+        self, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Reference: logits (n, vocab) and per-layer KV of the whole sequence, no cache."""
         h = self.embed(tokens)
         empty = torch.empty(0, self.spec.kv_heads, self.spec.head_dim, dtype=self.dtype)
@@ -290,8 +304,11 @@ def save_checkpoint(model: Transformer, path: str | Path) -> None:
             continue
         if name.startswith("layers."):
             parts = name.split(".")
-            sub = "self_attn." if parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj") else (
-                "mlp." if parts[2] in ("gate_proj", "up_proj", "down_proj") else "")
+            sub = (
+                "self_attn."
+                if parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj")
+                else ("mlp." if parts[2] in ("gate_proj", "up_proj", "down_proj") else "")
+            )
             name = ".".join(parts[:2] + [sub + ".".join(parts[2:])])
         hf = name if name.startswith("lm_head") else f"model.{name}"
         state[hf] = t.contiguous()
