@@ -1,0 +1,1 @@
+"""OpenAI-style HTTP frontend: tokenize, route through the scheduler, stream from decode."""
