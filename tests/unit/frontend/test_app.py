@@ -6,7 +6,6 @@ import json
 
 import httpx
 import pytest
-
 from dualpath.config import local_default
 from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import FakeBackend
