@@ -141,12 +141,16 @@ def decode_forward(
         q, k, v = model.qkv(l, h, positions)
         cache.k[l, page_idx, slots] = k
         cache.v[l, page_idx, slots] = v
-        keys = cache.k[l][tables].reshape(b, total, s.kv_heads, s.head_dim)
-        vals = cache.v[l][tables].reshape(b, total, s.kv_heads, s.head_dim)
-        kh = keys.transpose(1, 2).repeat_interleave(model.groups, dim=1)
-        vh = vals.transpose(1, 2).repeat_interleave(model.groups, dim=1)
+        flat = tables.reshape(-1)
+        keys = cache.k[l].index_select(0, flat).view(b, total, s.kv_heads, s.head_dim)
+        vals = cache.v[l].index_select(0, flat).view(b, total, s.kv_heads, s.head_dim)
         out = F.scaled_dot_product_attention(
-            q[:, :, None, :], kh, vh, attn_mask=mask, scale=model.scale
+            q[:, :, None, :],
+            keys.transpose(1, 2),
+            vals.transpose(1, 2),
+            attn_mask=mask,
+            scale=model.scale,
+            enable_gqa=True,
         )
         h = model.finish(l, h, out.reshape(b, -1))
     return model.head(h)

@@ -172,20 +172,36 @@ class Transformer(nn.Module):
         start: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer `layer` over new tokens at positions start.. attending to hit KV + themselves."""
-        n = h.shape[0]
-        positions = torch.arange(start, start + n)
+        positions = torch.arange(start, start + h.shape[0])
         q, k, v = self.qkv(layer, h, positions)
+        return self.attend(layer, h, q, k, v, hit_k, hit_v), k, v
+
+    def attend(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        hit_k: torch.Tensor,
+        hit_v: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rest of a prefill layer once the hit KV is here: causal attention + MLP."""
+        n = h.shape[0]
         keys = torch.cat([hit_k.to(k.dtype), k]) if hit_k.shape[0] else k
         vals = torch.cat([hit_v.to(v.dtype), v]) if hit_v.shape[0] else v
         total = keys.shape[0]
         # query i (position start+i) sees keys j <= start+i
         mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + (total - n))
-        qh = q.transpose(0, 1)
-        kh = keys.transpose(0, 1).repeat_interleave(self.groups, dim=0)
-        vh = vals.transpose(0, 1).repeat_interleave(self.groups, dim=0)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
-        out = out.transpose(0, 1).reshape(n, -1)
-        return self.finish(layer, h, out), k, v
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            vals.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return self.finish(layer, h, out.transpose(0, 1).reshape(n, -1))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()

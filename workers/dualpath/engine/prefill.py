@@ -168,6 +168,9 @@ class PrefillRun:
             pending = asyncio.ensure_future(self.source.layer(0)) if n_layers else None
             h = await self._compute(model.embed, self.tokens)
             for l in range(n_layers):  # noqa: E741
+                # the projections need no hit KV: they run while layer l is still arriving
+                positions = torch.arange(self.hit_tokens, self.hit_tokens + h.shape[0])
+                q, k, v = await self._compute(model.qkv, l, h, positions)
                 t0 = time.perf_counter()
                 hit_k, hit_v = await pending
                 waited = time.perf_counter() - t0
@@ -177,9 +180,7 @@ class PrefillRun:
                 # overlap: layer l+1 arrives while layer l computes
                 if l + 1 < n_layers:
                     pending = asyncio.ensure_future(self.source.layer(l + 1))
-                h, k, v = await self._compute(
-                    model.prefill_layer, l, h, hit_k, hit_v, self.hit_tokens
-                )
+                h = await self._compute(model.attend, l, h, q, k, v, hit_k, hit_v)
                 self._queue.put_nowait((l, k, v))
             last = h if self.all_logits else h[-1:]
             self.logits = await self._compute(model.head, last)

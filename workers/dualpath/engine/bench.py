@@ -1,0 +1,226 @@
+"""`dualpath bench engine`: prefill / decode tokens/s and the layer-wise load overlap.
+
+    dualpath bench engine --json                 # small preset
+    dualpath bench engine --preset tiny --quick --json
+
+overlap_ratio = time(layer-wise load + compute) / max(load alone, compute alone), where the load
+is a per-layer source throttled to a bandwidth chosen so the load takes `--load-to-compute` x the
+compute time (or `--gbps`); all three are measured in this run. 1.0 = perfect overlap, 2.0 =
+fully serial. Also: the cost model calibrated here and its error on held-out shapes, and the
+spread of estimated time in FIFO vs similar-time batches on one mixed queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from dualpath.config import ModelSpec
+from dualpath.engine.batcher import PrefillItem, fifo_batches, mean_spread_s, similar_time_batches
+from dualpath.engine.calibrate import DEFAULT_GRID, calibrate, measure, random_hit
+from dualpath.engine.cost import relative_errors
+from dualpath.engine.decode import SamplingParams
+from dualpath.engine.engine import Engine
+from dualpath.engine.prefill import MemorySource, ThrottledSource
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="small", help="ModelSpec preset (small, tiny)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default $DUALPATH_TORCH_THREADS or 1)",
+    )
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--decode-batch", type=int, default=16)
+    parser.add_argument("--decode-context", type=int, default=256)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--hit-tokens", type=int, default=1024, help="overlap: hit tokens")
+    parser.add_argument("--new-tokens", type=int, default=256, help="overlap: new tokens")
+    parser.add_argument(
+        "--gbps",
+        type=float,
+        default=0.0,
+        help="load bandwidth in Gbit/s (0 = derive from --load-to-compute)",
+    )
+    parser.add_argument(
+        "--load-to-compute",
+        type=float,
+        default=0.9,
+        help="target load-alone / compute-alone time when --gbps is 0",
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quota-ms", type=float, default=300.0, help="batcher compute quota")
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+
+
+def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+async def _prefill_tps(engine: Engine, n: int, repeats: int) -> float:
+    x = _tokens(n, engine.spec.vocab_size, 1)
+    await engine.prefill(x[:16]).collect()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await engine.prefill(x).collect()
+        times.append(time.perf_counter() - t0)
+    return n / statistics.median(times)
+
+
+async def _decode_tps(engine: Engine, batch: int, context: int, steps: int) -> float:
+    kv = random_hit(engine, context, seed=2)
+    logits = torch.zeros(engine.spec.vocab_size)
+    for i in range(batch):
+        engine.add_sequence(f"b{i}", kv, logits, SamplingParams(max_tokens=steps + 1))
+    await engine.astep()  # warm-up
+    t0 = time.perf_counter()
+    done = 0
+    for _ in range(steps - 1):
+        done += len(await engine.astep())
+    dt = time.perf_counter() - t0
+    for i in range(batch):
+        engine.free(f"b{i}")
+    return done / dt
+
+
+async def _overlap(
+    engine: Engine, args: argparse.Namespace, load_to_compute: float
+) -> dict[str, Any]:
+    hit = random_hit(engine, args.hit_tokens, seed=3)
+    x = _tokens(args.new_tokens, engine.spec.vocab_size, 4)
+    total_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in hit)
+    await engine.prefill(x, args.hit_tokens, MemorySource(hit)).collect()  # warm-up
+    rows = []
+    bps = args.gbps * 1e9 / 8
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        await engine.prefill(x, args.hit_tokens, MemorySource(hit)).collect()
+        compute_s = time.perf_counter() - t0
+        if args.gbps <= 0:
+            bps = total_bytes / (compute_s * load_to_compute)
+        src = ThrottledSource(hit, bps)
+        t0 = time.perf_counter()
+        await src.wait_all()
+        load_s = time.perf_counter() - t0
+        src = ThrottledSource(hit, bps)
+        t0 = time.perf_counter()
+        src.start()
+        run = engine.prefill(x, args.hit_tokens, src)
+        await run.collect()
+        both_s = time.perf_counter() - t0
+        rows.append((both_s / max(load_s, compute_s), compute_s, load_s, both_s, run.times.wait_s))
+    ratio, compute_s, load_s, both_s, wait_s = sorted(rows)[len(rows) // 2]
+    return {
+        "overlap_ratio": round(ratio, 4),
+        "compute_alone_s": round(compute_s, 4),
+        "load_alone_s": round(load_s, 4),
+        "load_and_compute_s": round(both_s, 4),
+        "compute_idle_waiting_s": round(wait_s, 4),
+        "serial_ratio": round((compute_s + load_s) / max(load_s, compute_s), 4),
+        "load_gbps": round(bps * 8 / 1e9, 3),
+        "hit_tokens": args.hit_tokens,
+        "new_tokens": args.new_tokens,
+        "hit_bytes": total_bytes,
+        "all_ratios": [round(r[0], 4) for r in rows],
+    }
+
+
+async def _cost(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    grid = DEFAULT_GRID if not args.quick else ((0, 16), (0, 64), (128, 16), (128, 64))
+    model, samples = await calibrate(engine, grid, repeats=args.repeats)
+    rng = random.Random(5)
+    cap_c, cap_n = max(c for c, _ in grid), max(n for _, n in grid)
+    held_shapes = [(rng.randrange(0, cap_c + 1, 64), rng.randint(8, cap_n)) for _ in range(6)]
+    held = await measure(engine, held_shapes, repeats=args.repeats)
+    errs = relative_errors(model, held)
+    quota = args.quota_ms / 1000
+    q = []
+    for i in range(60):
+        if rng.random() < 0.5:
+            q.append(PrefillItem(f"r{i}", rng.randrange(0, 512, 64), rng.randint(8, 48)))
+        else:
+            q.append(PrefillItem(f"r{i}", rng.randrange(0, 2048, 64), rng.randint(128, 512)))
+    fifo = fifo_batches(q, model, quota)
+    similar = similar_time_batches(q, model, quota)
+    return {
+        "cost_model": {k: float(f"{v:.4g}") for k, v in model.to_dict().items()},
+        "calibration_shapes": len(samples),
+        "fit_mean_rel_error": round(statistics.mean(relative_errors(model, samples)), 4),
+        "heldout_mean_rel_error": round(statistics.mean(errs), 4),
+        "heldout_max_rel_error": round(max(errs), 4),
+        "heldout": [
+            {
+                "cached": c,
+                "new": n,
+                "measured_s": round(t, 4),
+                "estimated_s": round(model.estimate(c, n), 4),
+            }
+            for c, n, t in held
+        ],
+        "batcher": {
+            "quota_ms": args.quota_ms,
+            "fifo_batches": len(fifo),
+            "similar_batches": len(similar),
+            "fifo_mean_spread_ms": round(mean_spread_s(fifo) * 1000, 3),
+            "similar_mean_spread_ms": round(mean_spread_s(similar) * 1000, 3),
+        },
+    }
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        args.prefill_tokens, args.decode_batch, args.decode_context = 128, 4, 64
+        args.decode_steps, args.hit_tokens, args.new_tokens = 8, 256, 64
+        args.repeats = min(args.repeats, 3)
+    spec = ModelSpec(preset=args.preset)
+    cap = args.decode_batch * (args.decode_context + args.decode_steps + spec.block_tokens * 2)
+    with Engine(spec, kv_capacity_tokens=cap, threads=args.threads) as engine:
+        out: dict[str, Any] = {
+            "preset": args.preset,
+            "torch_threads": engine.threads,
+            "prefill_tokens_per_s": round(
+                await _prefill_tps(engine, args.prefill_tokens, args.repeats), 1
+            ),
+            "decode_tokens_per_s": round(
+                await _decode_tps(
+                    engine, args.decode_batch, args.decode_context, args.decode_steps
+                ),
+                1,
+            ),
+            "prefill_tokens": args.prefill_tokens,
+            "decode_batch": args.decode_batch,
+            "decode_context": args.decode_context,
+        }
+        out.update(await _overlap(engine, args, args.load_to_compute))
+        if args.gbps <= 0 and args.load_to_compute != 1.0:
+            equal = await _overlap(engine, args, 1.0)
+            out["overlap_ratio_at_equal_load"] = equal["overlap_ratio"]
+            out["all_ratios_at_equal_load"] = equal["all_ratios"]
+        out.update(await _cost(engine, args))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    out = asyncio.run(_main(args))
+    out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0 if out["overlap_ratio"] > 0 else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))
