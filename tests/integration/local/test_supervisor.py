@@ -1,0 +1,75 @@
+"""The supervisor: health-gated start, prefixed logs, and no process left after stop."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+
+import pytest
+from dualpath.local.supervisor import ProcSpec, StartError, Supervisor, free_port
+
+SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+print("serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+# Ignores SIGTERM and has a grandchild in its group: only SIGKILL of the group ends both.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("grandchild", child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(pred, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_start_health_logs_and_clean_stop() -> None:
+    sink = io.StringIO()
+    port = free_port()
+    sup = Supervisor(grace_s=0.5, sink=sink)
+    with sup:
+        sup.start([ProcSpec("web", [sys.executable, "-c", SERVER, str(port)],
+                            health_url=f"http://127.0.0.1:{port}/health", ready_timeout_s=20)])
+        sup.spawn(ProcSpec("stubborn", [sys.executable, "-c", STUBBORN]))
+        assert _wait_for(lambda: "grandchild" in sink.getvalue())
+        gpid = int(sink.getvalue().split("grandchild")[1].split()[0])
+        pids = [c.proc.pid for c in sup.children] + [gpid]
+        assert all(_alive(p) for p in pids)
+    assert "[web]" in sink.getvalue() and "serving" in sink.getvalue()
+    assert _wait_for(lambda: not any(_alive(p) for p in pids), 5)
+
+
+def test_child_that_dies_before_ready_is_reported() -> None:
+    sup = Supervisor(grace_s=0.5, sink=io.StringIO())
+    with sup, pytest.raises(StartError, match="exited with code 3"):
+        sup.start([ProcSpec("bad", [sys.executable, "-c", "raise SystemExit(3)"],
+                            health_url=f"http://127.0.0.1:{free_port()}/", ready_timeout_s=20)])

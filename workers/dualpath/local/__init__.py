@@ -1,0 +1,1 @@
+"""The local cluster: `dualpath up` (a process supervisor) and `dualpath bench local`."""

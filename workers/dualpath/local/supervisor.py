@@ -1,0 +1,163 @@
+"""A small process supervisor: each child in its own process group, health-checked start,
+log lines forwarded with a `[name]` prefix, and a clean stop (SIGTERM to the group, SIGKILL
+after a grace period) that leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+class StartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class ProcSpec:
+    name: str
+    argv: list[str]
+    health_url: str | None = None  # GET must answer 200 when the process is ready
+    env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 60.0
+
+
+@dataclass
+class _Child:
+    spec: ProcSpec
+    proc: subprocess.Popen
+    pump: threading.Thread
+
+
+def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (local URL)
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class Supervisor:
+    """Owns its children: `stop()` (or leaving the `with` block) ends every one of them."""
+
+    def __init__(self, grace_s: float = 5.0, sink: IO[str] | None = None,
+                 prefix_width: int = 10) -> None:
+        self.grace_s = grace_s
+        self.sink = sink or sys.stderr
+        self.prefix_width = prefix_width
+        self.children: list[_Child] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _pump(self, name: str, stream: IO[bytes]) -> None:
+        tag = f"[{name}]".ljust(self.prefix_width + 2)
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            with self._lock:
+                try:
+                    self.sink.write(f"{tag} {line}\n")
+                    self.sink.flush()
+                except ValueError:  # sink closed during shutdown
+                    pass
+        stream.close()
+
+    def spawn(self, spec: ProcSpec) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        proc = subprocess.Popen(
+            spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,  # own process group: signals reach its children
+        )
+        pump = threading.Thread(target=self._pump, args=(spec.name, proc.stdout),
+                                name=f"log-{spec.name}", daemon=True)
+        pump.start()
+        self.children.append(_Child(spec, proc, pump))
+        log.info("started %s (pid %d)", spec.name, proc.pid)
+        return proc
+
+    def wait_ready(self, names: list[str] | None = None,
+                   should_abort: Callable[[], bool] = lambda: False) -> None:
+        """Poll every named child's health URL until 200; raise if one exits or times out."""
+        todo = [c for c in self.children if c.spec.health_url and
+                (names is None or c.spec.name in names)]
+        deadline = {c.spec.name: time.monotonic() + c.spec.ready_timeout_s for c in todo}
+        while todo:
+            if should_abort():
+                raise StartError("start aborted")
+            for c in list(todo):
+                rc = c.proc.poll()
+                if rc is not None:
+                    raise StartError(f"{c.spec.name} exited with code {rc} before it was ready "
+                                     "(see its log lines above)")
+                if _http_ok(c.spec.health_url or ""):
+                    log.info("%s ready", c.spec.name)
+                    todo.remove(c)
+                elif time.monotonic() > deadline[c.spec.name]:
+                    raise StartError(f"{c.spec.name} not healthy at {c.spec.health_url} after "
+                                     f"{c.spec.ready_timeout_s:.0f}s")
+            if todo:
+                time.sleep(0.1)
+
+    def start(self, specs: list[ProcSpec]) -> None:
+        """Spawn in order, waiting for each one's health before the next (dependencies first)."""
+        for spec in specs:
+            self.spawn(spec)
+            self.wait_ready([spec.name])
+
+    def exited(self) -> list[tuple[str, int]]:
+        return [(c.spec.name, c.proc.returncode) for c in self.children
+                if c.proc.poll() is not None]
+
+    def stop(self) -> None:
+        """SIGTERM every group (last started first), SIGKILL what is left after the grace."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for c in reversed(self.children):
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for c in reversed(self.children):
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.1fs: SIGKILL", c.spec.name, self.grace_s)
+        for c in self.children:
+            # The group may hold grandchildren even when the leader is gone.
+            _signal_group(c.proc, signal.SIGKILL)
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) survived SIGKILL", c.spec.name, c.proc.pid)
+            c.pump.join(timeout=2)
+        log.info("stopped %d processes", len(self.children))
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # pgid == pid: start_new_session
+    except (ProcessLookupError, PermissionError):
+        pass
