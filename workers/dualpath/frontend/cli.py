@@ -1,0 +1,42 @@
+"""`dualpath frontend`: the OpenAI-style HTTP frontend over the scheduler and decode workers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from dualpath import config
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, help="HTTP port (default: spec.frontend.port)")
+    parser.add_argument("--scheduler", default=None,
+                        help="scheduler host:port (default: 127.0.0.1:spec.scheduler.port)")
+    parser.add_argument("--storage", default=None, help="KV directory (default: spec.storage.path)")
+    parser.add_argument("--fake", action="store_true",
+                        help="serve from the in-memory fake backend (no cluster; for trying the API)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dualpath.frontend.app import create_app
+    from dualpath.frontend.backend import FakeBackend
+
+    cfg = config.load(args.file) if args.file else config.local_default()
+    if args.fake:
+        backend = FakeBackend(cfg.spec.model)
+    else:
+        from dualpath.frontend.grpc_backend import GrpcBackend
+
+        sched = args.scheduler or f"127.0.0.1:{cfg.spec.scheduler.port}"
+        backend = GrpcBackend(cfg, sched, args.storage or cfg.spec.storage.path)
+    port = args.port if args.port is not None else cfg.spec.frontend.port
+    app = create_app(cfg, backend)
+    print(f"READY frontend http={port}", flush=True)
+    uvicorn.run(app, host=args.host, port=port, log_level="warning", access_log=False)
+    return 0
