@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -67,6 +66,7 @@ class Supervisor:
         self.children: list[_Child] = []
         self._lock = threading.Lock()
         self._stopping = False
+        self.abort = threading.Event()  # set (e.g. from a signal handler) to abandon a start
 
     def __enter__(self) -> Supervisor:
         return self
@@ -99,14 +99,13 @@ class Supervisor:
         log.info("started %s (pid %d)", spec.name, proc.pid)
         return proc
 
-    def wait_ready(self, names: list[str] | None = None,
-                   should_abort: Callable[[], bool] = lambda: False) -> None:
+    def wait_ready(self, names: list[str] | None = None) -> None:
         """Poll every named child's health URL until 200; raise if one exits or times out."""
         todo = [c for c in self.children if c.spec.health_url and
                 (names is None or c.spec.name in names)]
         deadline = {c.spec.name: time.monotonic() + c.spec.ready_timeout_s for c in todo}
         while todo:
-            if should_abort():
+            if self.abort.is_set():
                 raise StartError("start aborted")
             for c in list(todo):
                 rc = c.proc.poll()

@@ -1,0 +1,42 @@
+"""The local benchmark's replay client and summary, against the in-memory FakeBackend."""
+
+from __future__ import annotations
+
+import httpx
+from dualpath.config import local_default
+from dualpath.frontend.app import create_app
+from dualpath.frontend.backend import FakeBackend
+from dualpath.local.bench import Progress, plot, replay, summarize, table
+from dualpath.trace import TraceSpec, generate
+
+CFG = local_default()
+
+
+async def _replay(policy: str):
+    fake = FakeBackend(CFG.spec.model, policy=policy)
+    app = create_app(CFG, fake)
+    spec = TraceSpec(agents=3, max_turns=3, first_tokens=200, mean_append_tokens=70,
+                     mean_gen_tokens=3, max_context_tokens=2048, seed=1)
+    trs = generate(spec)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            res = await replay(c, trs, CFG.spec.model.name, CFG.spec.model.vocab_size, seed=1,
+                               progress=Progress(sum(len(t.turns) for t in trs), policy, False))
+    return trs, res
+
+
+async def test_replay_sessions_hit_and_answers_match_across_policies(tmp_path) -> None:
+    trs, a = await _replay("prefill-read")
+    _, b = await _replay("dualpath")
+    assert len(a) == sum(len(t.turns) for t in trs) and all(r.ok for r in a)
+    later = [r for r in a if r.turn > 0]
+    assert later and all(r.cached_tokens > 0 for r in later)
+    assert {(r.agent, r.turn): r.generated for r in a} == {
+        (r.agent, r.turn): r.generated for r in b}
+    assert {r.read_path for r in b if r.turn > 0} == {"prefill", "decode"}
+    s = summarize("dualpath", b, 2.0, {"prefill": 1000, "decode": 3000}, 4000.0)
+    assert s.pooled_snic_util == 0.5 and s.failed == 0 and 0 < s.hit_rate < 1
+    assert "ratio" in table([s], 2.0)
+    plot([s], str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
