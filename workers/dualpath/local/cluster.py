@@ -53,7 +53,7 @@ def process_specs(cfg_path: Path, cfg: ClusterConfig, storage: Path, log_level: 
     sched_port, sched_metrics = free_port(), free_port()
     ep.scheduler = f"127.0.0.1:{sched_port}"
     ep.scheduler_health = f"http://127.0.0.1:{sched_metrics}/health"
-    common = ["--log-level", log_level]
+    common = [f"--log-level={log_level}"]  # one token: cli.py picks the command by position
     specs = [ProcSpec("scheduler", _dualpath(*common, "scheduler", "-f", str(cfg_path),
                                              "--host", "127.0.0.1", "--port", str(sched_port),
                                              "--metrics-port", str(sched_metrics)),
