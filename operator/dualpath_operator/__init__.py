@@ -1,0 +1,1 @@
+"""DualPath operator: pure builders render a DualPathCluster into children; kopf applies them."""

@@ -1,0 +1,70 @@
+"""Pure builders: a `ClusterConfig` in, the complete list of desired child manifests out.
+
+No kopf, no API client: `render()` is what the operator applies and what `dualpath render`
+prints, so the two can never differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
+
+from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
+from .qos import opensm_qos_policy, qos_config_map, qos_env
+from .workloads import (
+    frontend_objects,
+    scheduler_objects,
+    worker_pdb,
+    worker_service,
+    worker_statefulset,
+)
+
+POOL_KIND = "DualPathPool"
+
+
+def config_map(cfg: ClusterConfig, owner: dict | None) -> dict[str, Any]:
+    """The rendered config every process reads (`-f /etc/dualpath/cluster.yaml`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(cfg, child_name(cfg, "config"), "config", owner),
+        "data": {
+            "cluster.yaml": yaml.safe_dump(cfg.to_resource(), sort_keys=False),
+            "config-hash": cfg.config_hash,
+        },
+    }
+
+
+def pool(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
+    """Per-role scaling handle: `kubectl scale dualpathpool/<c>-prefill` and HPAs target it."""
+    return {
+        "apiVersion": API_VERSION_FULL,
+        "kind": POOL_KIND,
+        "metadata": metadata(cfg, child_name(cfg, role.value), role.value, owner),
+        "spec": {"cluster": cfg.name, "role": role.value,
+                 "replicas": cfg.spec.pool(role).replicas},
+    }
+
+
+def render(cfg: ClusterConfig, owner: dict | None = None) -> list[dict[str, Any]]:
+    """Every child of one DualPathCluster, in apply order."""
+    out: list[dict[str, Any]] = [config_map(cfg, owner), qos_config_map(cfg, owner)]
+    out += scheduler_objects(cfg, owner)
+    for role in (Role.PREFILL, Role.DECODE):
+        out += [
+            worker_service(cfg, role, owner),
+            worker_statefulset(cfg, role, owner),
+            worker_pdb(cfg, role, owner),
+            pool(cfg, role, owner),
+        ]
+    if cfg.spec.frontend.replicas > 0:
+        out += frontend_objects(cfg, owner)
+    return out
+
+
+__all__ = [
+    "CLUSTER_LABEL", "CONFIG_HASH_KEY", "POOL_KIND", "child_name", "config_map", "labels",
+    "opensm_qos_policy", "owner_reference", "pool", "qos_env", "render",
+]

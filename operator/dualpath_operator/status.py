@@ -1,0 +1,94 @@
+"""Pure: observed children -> the DualPathCluster status (conditions + observedGeneration).
+
+Kubernetes API conventions: a top-level `Ready` condition `kubectl wait` can read, plus
+`Progressing` and `Degraded`, each with a CamelCase reason and a sentence for people.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkloadObservation:
+    """What the operator saw of one StatefulSet/Deployment."""
+
+    name: str
+    desired: int
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    exists: bool = True
+
+    @classmethod
+    def from_object(cls, name: str, desired: int, obj: dict[str, Any] | None):
+        if not obj:
+            return cls(name, desired, exists=False)
+        st = obj.get("status") or {}
+        return cls(name, desired, st.get("replicas", 0), st.get("readyReplicas", 0),
+                   st.get("updatedReplicas", st.get("replicas", 0)))
+
+    @property
+    def settled(self) -> bool:
+        # Ready only when every pod runs the current template: old pods must not serve.
+        return self.exists and self.ready >= self.desired and self.updated >= self.desired and (
+            self.replicas == self.desired
+        )
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
+               previous: dict[str, dict], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    prev = previous.get(ctype)
+    since = prev["lastTransitionTime"] if prev and prev.get("status") == status else now
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def compute_status(
+    generation: int, config_hash: str, workloads: dict[str, WorkloadObservation],
+    scheduler_endpoint: str, previous_conditions: list[dict] | None = None,
+    apply_error: str | None = None, warnings: list[str] | None = None,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    previous = {c["type"]: c for c in (previous_conditions or [])}
+    missing = [w.name for w in workloads.values() if not w.exists]
+    waiting = [w for w in workloads.values() if w.exists and not w.settled]
+    ready = not apply_error and not missing and not waiting
+    if apply_error:
+        r_reason, r_msg = "ApplyFailed", apply_error
+    elif missing:
+        r_reason, r_msg = "ChildrenMissing", "not yet created: " + ", ".join(sorted(missing))
+    elif waiting:
+        r_reason = "RolloutInProgress"
+        r_msg = "; ".join(
+            f"{w.name}: {w.ready}/{w.desired} ready, {w.updated} updated" for w in waiting
+        )
+    else:
+        r_reason, r_msg = "AllReplicasReady", "every pool and service is ready"
+    degraded = bool(apply_error) or bool(warnings)
+    d_reason = "ApplyFailed" if apply_error else ("StartupChecks" if warnings else "AsExpected")
+    d_msg = apply_error or ("; ".join(warnings) if warnings else "no problems seen")
+    conditions = [
+        _condition("Ready", ready, r_reason, r_msg, generation, previous, stamp),
+        _condition("Progressing", not ready and not apply_error,
+                   r_reason if not ready else "Settled",
+                   r_msg if not ready else "nothing to roll out", generation, previous, stamp),
+        _condition("Degraded", degraded, d_reason, d_msg, generation, previous, stamp),
+    ]
+    def pool(key: str) -> dict[str, int]:
+        w = workloads.get(key)
+        return {"replicas": w.replicas, "readyReplicas": w.ready, "updatedReplicas": w.updated} \
+            if w else {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+    return {
+        "observedGeneration": generation,
+        "phase": "Ready" if ready else ("Failed" if apply_error else "Progressing"),
+        "configHash": config_hash,
+        "schedulerEndpoint": scheduler_endpoint,
+        "prefill": pool("prefill"),
+        "decode": pool("decode"),
+        "conditions": conditions,
+    }
