@@ -37,7 +37,7 @@ from dualpath.kv.store import (
 
 log = logging.getLogger(__name__)
 
-_CHUNK_TARGET_BYTES = 4 << 20
+_CHUNK_TARGET_BYTES = 16 << 20
 _SLEEP_SLICE_S = 0.05
 
 

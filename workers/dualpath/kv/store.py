@@ -135,6 +135,7 @@ class KVStore:
         durable: bool = True,
     ) -> None:
         self.root = Path(root)
+        self._blocks_dir = str(self.root / "blocks")
         self.model = model
         self.layout = BlockLayout.from_model(model)
         if capacity_bytes < self.layout.file_bytes:
@@ -164,7 +165,10 @@ class KVStore:
     # ---- index ---------------------------------------------------------------------------
 
     def path_of(self, block_id: BlockId) -> Path:
-        return self.root / "blocks" / block_id[:2] / block_id
+        return Path(self._file(block_id))
+
+    def _file(self, block_id: BlockId) -> str:
+        return f"{self._blocks_dir}/{block_id[:2]}/{block_id}"
 
     def _rebuild_index(self) -> None:
         found = []
@@ -231,7 +235,7 @@ class KVStore:
                     self._lru.move_to_end(b)
         for b in ids:  # persist recency for the next start's rebuild
             try:
-                os.utime(self.path_of(b))
+                os.utime(self._file(b))
             except FileNotFoundError:
                 pass
 
@@ -369,7 +373,7 @@ class KVStore:
         failed: list[BlockFailure] = []
         for b in ids:
             try:
-                fd = os.open(self.path_of(b), os.O_RDONLY)
+                fd = os.open(self._file(b), os.O_RDONLY)
             except FileNotFoundError:
                 failed.append(self._miss(b, "missing", f"block {b} not found", drop=True))
                 break
