@@ -1,0 +1,34 @@
+"""`dualpath bench store` runs end to end on a tiny data set and reports its fields."""
+
+import argparse
+import json
+
+from dualpath.kv import bench
+
+
+def test_bench_store_reports_ratios_and_cleans_up(tmp_path, capsys):
+    ns = argparse.Namespace(
+        **{
+            **vars(bench.default_args()),
+            "preset": "tiny",
+            "blocks": 4,
+            "rounds": 1,
+            "backend": "preadv",
+            "snic_gbps": 0.05,
+            "capped_seconds": 0.2,
+            "out": str(tmp_path),
+            "json": True,
+        }
+    )
+    assert bench.run(ns) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "preadv"
+    for key in ("read_gbps", "raw_read_gbps", "read_ratio", "capped_gbps", "cap_error"):
+        assert result[key] >= 0, key
+    assert result["read_ratio"] == round(result["read_gbps"] / result["raw_read_gbps"], 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_store.json"]  # data set removed
+
+
+def test_default_args_are_the_llama3_shape():
+    ns = bench.default_args()
+    assert ns.preset == "llama3-8b" and ns.snic_gbps == 0 and ns.out is None
