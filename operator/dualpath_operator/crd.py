@@ -73,6 +73,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         if len(options) == 1:
             node = {**options[0], **node, "nullable": True}
     node.pop("title", None)
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
     if "default" in node:
         if node["default"] is None:
             node.pop("default")

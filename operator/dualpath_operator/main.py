@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kopf.run(
             standalone=True, clusterwide=not args.namespace, namespaces=args.namespace or [],
-            liveness_endpoint=args.liveness,
+            liveness_endpoint=args.liveness or None,
         )
     finally:
         obs.stop()

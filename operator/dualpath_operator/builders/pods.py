@@ -10,7 +10,6 @@ from .common import (
     CONFIG_FILE,
     CONFIG_HASH_KEY,
     CONFIG_MOUNT,
-    KV_MOUNT,
     METRICS_PORT,
     WORKER_GRPC_PORT,
     child_name,
@@ -89,7 +88,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "kv-store", "mountPath": KV_MOUNT},
+            {"name": "kv-store", "mountPath": spec.storage.path},
         ],
         "readinessProbe": _probe("/health", "metrics"),
         "livenessProbe": {**_probe("/health", "metrics"), "initialDelaySeconds": 30},
