@@ -63,8 +63,11 @@ def test_spec_change_rolls_pods_and_render_is_deterministic(example):
                                 "scheduler": {"policy": "prefill-read"}}),
     )
     b = render(changed, OWNER)
-    hash_of = lambda objs: by_kind(objs, "StatefulSet", "agents-prefill")[0]["spec"]["template"][
-        "metadata"]["annotations"][CONFIG_HASH_KEY]
+
+    def hash_of(objs):
+        sts = by_kind(objs, "StatefulSet", "agents-prefill")[0]
+        return sts["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_KEY]
+
     assert hash_of(a) != hash_of(b)
 
 
