@@ -32,3 +32,15 @@ def test_bench_store_reports_ratios_and_cleans_up(tmp_path, capsys):
 def test_default_args_are_the_llama3_shape():
     ns = bench.default_args()
     assert ns.preset == "llama3-8b" and ns.snic_gbps == 0 and ns.out is None
+
+
+def test_bench_stdout_is_pure_json_with_nixl(capsys):
+    import pytest
+
+    pytest.importorskip("nixl_cu12")
+    ns = argparse.Namespace(
+        **{**vars(bench.default_args()), "preset": "tiny", "blocks": 2, "rounds": 1, "json": True}
+    )
+    ns.backend = "nixl"
+    assert bench.run(ns) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "nixl"  # NIXL's logs kept off stdout
