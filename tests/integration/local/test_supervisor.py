@@ -57,8 +57,16 @@ def test_start_health_logs_and_clean_stop() -> None:
     port = free_port()
     sup = Supervisor(grace_s=0.5, sink=sink)
     with sup:
-        sup.start([ProcSpec("web", [sys.executable, "-c", SERVER, str(port)],
-                            health_url=f"http://127.0.0.1:{port}/health", ready_timeout_s=20)])
+        sup.start(
+            [
+                ProcSpec(
+                    "web",
+                    [sys.executable, "-c", SERVER, str(port)],
+                    health_url=f"http://127.0.0.1:{port}/health",
+                    ready_timeout_s=20,
+                )
+            ]
+        )
         sup.spawn(ProcSpec("stubborn", [sys.executable, "-c", STUBBORN]))
         assert _wait_for(lambda: "grandchild" in sink.getvalue())
         gpid = int(sink.getvalue().split("grandchild")[1].split()[0])
@@ -71,5 +79,13 @@ def test_start_health_logs_and_clean_stop() -> None:
 def test_child_that_dies_before_ready_is_reported() -> None:
     sup = Supervisor(grace_s=0.5, sink=io.StringIO())
     with sup, pytest.raises(StartError, match="exited with code 3"):
-        sup.start([ProcSpec("bad", [sys.executable, "-c", "raise SystemExit(3)"],
-                            health_url=f"http://127.0.0.1:{free_port()}/", ready_timeout_s=20)])
+        sup.start(
+            [
+                ProcSpec(
+                    "bad",
+                    [sys.executable, "-c", "raise SystemExit(3)"],
+                    health_url=f"http://127.0.0.1:{free_port()}/",
+                    ready_timeout_s=20,
+                )
+            ]
+        )

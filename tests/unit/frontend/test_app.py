@@ -41,8 +41,9 @@ def test_tokenizer_roundtrip_and_stream() -> None:
 
 
 async def test_completion_non_streaming(client: httpx.AsyncClient) -> None:
-    r = await client.post("/v1/completions",
-                          json={"model": MODEL, "prompt": "hello", "max_tokens": 5})
+    r = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
@@ -66,48 +67,82 @@ async def test_chat_streaming_and_not(client: httpx.AsyncClient) -> None:
     plain = (await client.post("/v1/chat/completions", json=req)).json()
     content = plain["choices"][0]["message"]["content"]
     r = await client.post("/v1/chat/completions", json={**req, "stream": True})
-    events = [json.loads(ln[6:]) for ln in r.text.splitlines()
-              if ln.startswith("data: ") and ln != "data: [DONE]"]
+    events = [
+        json.loads(ln[6:])
+        for ln in r.text.splitlines()
+        if ln.startswith("data: ") and ln != "data: [DONE]"
+    ]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert streamed == content
 
 
-async def test_second_turn_of_session_hits_store(client: httpx.AsyncClient,
-                                                 fake: FakeBackend) -> None:
+async def test_second_turn_of_session_hits_store(
+    client: httpx.AsyncClient, fake: FakeBackend
+) -> None:
     bt = CFG.spec.model.block_tokens
     first = "x" * (3 * bt)
-    r1 = (await client.post("/v1/completions", json={
-        "model": MODEL, "prompt": first, "max_tokens": 4, "session_id": "s1"})).json()
+    r1 = (
+        await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": first, "max_tokens": 4, "session_id": "s1"},
+        )
+    ).json()
     assert r1["usage"]["cached_tokens"] == 0
     second = first + r1["choices"][0]["text"] + "more " * 20
-    r2 = (await client.post("/v1/completions", json={
-        "model": MODEL, "prompt": second, "max_tokens": 4, "session_id": "s1"})).json()
+    r2 = (
+        await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": second, "max_tokens": 4, "session_id": "s1"},
+        )
+    ).json()
     assert r2["usage"]["cached_tokens"] >= 3 * bt
     assert r2["dualpath"]["read_path"] in ("prefill", "decode")
 
 
-@pytest.mark.parametrize(("body", "status", "code"), [
-    (b"{not json", 400, "invalid_json"),
-    (b"[1, 2]", 400, "invalid_json"),
-    (json.dumps({"model": "gpt-5", "prompt": "x"}).encode(), 404, "model_not_found"),
-    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400,
-     "invalid_parameter"),
-    (json.dumps({"model": MODEL, "prompt": "x", "temperature": 9}).encode(), 400,
-     "invalid_parameter"),
-    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}).encode(), 400,
-     "invalid_parameter"),
-    (json.dumps({"model": MODEL, "prompt": [1, 99999]}).encode(), 400, "invalid_parameter"),
-    (json.dumps({"model": MODEL}).encode(), 400, "invalid_parameter"),
-    (json.dumps({"model": MODEL, "prompt": "y" * (CFG.spec.frontend.max_context_tokens + 1)}
-                ).encode(), 400, "context_length_exceeded"),
-    (b'{"model": "' + b"z" * (CFG.spec.frontend.max_request_bytes + 10) + b'"}', 413,
-     "request_too_large"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_json"),
+        (json.dumps({"model": "gpt-5", "prompt": "x"}).encode(), 404, "model_not_found"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(),
+            400,
+            "invalid_parameter",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "temperature": 9}).encode(),
+            400,
+            "invalid_parameter",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}).encode(),
+            400,
+            "invalid_parameter",
+        ),
+        (json.dumps({"model": MODEL, "prompt": [1, 99999]}).encode(), 400, "invalid_parameter"),
+        (json.dumps({"model": MODEL}).encode(), 400, "invalid_parameter"),
+        (
+            json.dumps(
+                {"model": MODEL, "prompt": "y" * (CFG.spec.frontend.max_context_tokens + 1)}
+            ).encode(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            b'{"model": "' + b"z" * (CFG.spec.frontend.max_request_bytes + 10) + b'"}',
+            413,
+            "request_too_large",
+        ),
+    ],
+)
 async def test_bad_requests_get_openai_errors_and_server_keeps_serving(
-        client: httpx.AsyncClient, body: bytes, status: int, code: str) -> None:
-    r = await client.post("/v1/completions", content=body,
-                          headers={"content-type": "application/json"})
+    client: httpx.AsyncClient, body: bytes, status: int, code: str
+) -> None:
+    r = await client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["message"]

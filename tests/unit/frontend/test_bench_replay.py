@@ -15,14 +15,28 @@ CFG = local_default()
 async def _replay(policy: str):
     fake = FakeBackend(CFG.spec.model, policy=policy)
     app = create_app(CFG, fake)
-    spec = TraceSpec(agents=3, max_turns=3, first_tokens=200, mean_append_tokens=70,
-                     mean_gen_tokens=3, max_context_tokens=2048, seed=1)
+    spec = TraceSpec(
+        agents=3,
+        max_turns=3,
+        first_tokens=200,
+        mean_append_tokens=70,
+        mean_gen_tokens=3,
+        max_context_tokens=2048,
+        seed=1,
+    )
     trs = generate(spec)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as c:
-            res = await replay(c, trs, CFG.spec.model.name, CFG.spec.model.vocab_size, seed=1,
-                               progress=Progress(sum(len(t.turns) for t in trs), policy, False))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
+            res = await replay(
+                c,
+                trs,
+                CFG.spec.model.name,
+                CFG.spec.model.vocab_size,
+                seed=1,
+                progress=Progress(sum(len(t.turns) for t in trs), policy, False),
+            )
     return trs, res
 
 
@@ -33,7 +47,8 @@ async def test_replay_sessions_hit_and_answers_match_across_policies(tmp_path) -
     later = [r for r in a if r.turn > 0]
     assert later and all(r.cached_tokens > 0 for r in later)
     assert {(r.agent, r.turn): r.generated for r in a} == {
-        (r.agent, r.turn): r.generated for r in b}
+        (r.agent, r.turn): r.generated for r in b
+    }
     assert {r.read_path for r in b if r.turn > 0} == {"prefill", "decode"}
     s = summarize("dualpath", b, 2.0, {"prefill": 1000, "decode": 3000}, 4000.0)
     assert s.pooled_snic_util == 0.5 and s.failed == 0 and 0 < s.hit_rate < 1

@@ -34,15 +34,32 @@ log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type_)
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
         return JSONResponse(body, status_code=self.status)
 
 
@@ -89,7 +106,7 @@ class Sessions:
         s = self._s.get(sid) if sid else None
         if s is not None and text.startswith(s.text):
             self._s.move_to_end(sid)  # type: ignore[arg-type]
-            return s.ids + tok.encode(text[len(s.text):])
+            return s.ids + tok.encode(text[len(s.text) :])
         return tok.encode(text)
 
     def remember(self, sid: str | None, text: str, ids: list[int]) -> None:
@@ -103,22 +120,35 @@ class Sessions:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("dualpath_frontend_requests_total", "HTTP API requests",
-                                ["endpoint", "code"], registry=registry)
-        self.tokens = Counter("dualpath_frontend_tokens_total", "tokens by kind",
-                              ["kind"], registry=registry)
-        self.turns = Counter("dualpath_frontend_turns_total", "turns by read path",
-                             ["path"], registry=registry)
-        self.ttft = Histogram("dualpath_frontend_ttft_seconds", "time to first token",
-                              registry=registry,
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.latency = Histogram("dualpath_frontend_request_seconds", "request latency",
-                                 registry=registry,
-                                 buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.requests = Counter(
+            "dualpath_frontend_requests_total",
+            "HTTP API requests",
+            ["endpoint", "code"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "dualpath_frontend_tokens_total", "tokens by kind", ["kind"], registry=registry
+        )
+        self.turns = Counter(
+            "dualpath_frontend_turns_total", "turns by read path", ["path"], registry=registry
+        )
+        self.ttft = Histogram(
+            "dualpath_frontend_ttft_seconds",
+            "time to first token",
+            registry=registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.latency = Histogram(
+            "dualpath_frontend_request_seconds",
+            "request latency",
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
 
 
-def create_app(config: ClusterConfig, backend: Backend,
-               registry: CollectorRegistry | None = None) -> FastAPI:
+def create_app(
+    config: ClusterConfig, backend: Backend, registry: CollectorRegistry | None = None
+) -> FastAPI:
     spec = config.spec
     fe = spec.frontend
     tok = ByteTokenizer(spec.model.vocab_size)
@@ -144,20 +174,28 @@ def create_app(config: ClusterConfig, backend: Backend,
     async def read_json(request: Request) -> Any:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > fe.max_request_bytes:
-            raise ApiError(413, f"request body is {declared} bytes; the limit is "
-                           f"{fe.max_request_bytes} (spec.frontend.maxRequestBytes)",
-                           code="request_too_large")
+            raise ApiError(
+                413,
+                f"request body is {declared} bytes; the limit is "
+                f"{fe.max_request_bytes} (spec.frontend.maxRequestBytes)",
+                code="request_too_large",
+            )
         body = b""
         async for chunk in request.stream():
             body += chunk
             if len(body) > fe.max_request_bytes:
-                raise ApiError(413, f"request body exceeds {fe.max_request_bytes} bytes "
-                               "(spec.frontend.maxRequestBytes)", code="request_too_large")
+                raise ApiError(
+                    413,
+                    f"request body exceeds {fe.max_request_bytes} bytes "
+                    "(spec.frontend.maxRequestBytes)",
+                    code="request_too_large",
+                )
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"request body is not valid JSON: {err}",
-                           code="invalid_json") from None
+            raise ApiError(
+                400, f"request body is not valid JSON: {err}", code="invalid_json"
+            ) from None
 
     def parse(model: type[_Req], obj: Any) -> Any:
         if not isinstance(obj, dict):
@@ -167,37 +205,56 @@ def create_app(config: ClusterConfig, backend: Backend,
         except ValidationError as err:
             e = err.errors()[0]
             param = ".".join(str(p) for p in e["loc"]) or None
-            raise ApiError(400, f"{param}: {e['msg']}", param=param,
-                           code="invalid_parameter") from None
+            raise ApiError(
+                400, f"{param}: {e['msg']}", param=param, code="invalid_parameter"
+            ) from None
         if req.model != model_name:
-            raise ApiError(404, f"model {req.model!r} does not exist; this cluster serves "
-                           f"{model_name!r}", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {req.model!r} does not exist; this cluster serves {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return req
 
-    def turn_for(req: _Req, text: str | None, ids: list[int] | None,
-                 request: Request) -> tuple[TurnRequest, str]:
+    def turn_for(
+        req: _Req, text: str | None, ids: list[int] | None, request: Request
+    ) -> tuple[TurnRequest, str]:
         sid = req.session_id or request.headers.get("x-session-id") or req.user
         if ids is None:
             ids = sessions.prompt_ids(sid, text or "", tok)
         if not ids:
             raise ApiError(400, "prompt is empty", param="prompt", code="invalid_parameter")
         if any(i < 0 or i >= tok.vocab_size for i in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})",
-                           param="prompt", code="invalid_parameter")
+            raise ApiError(
+                400,
+                f"prompt token ids must be in [0, {tok.vocab_size})",
+                param="prompt",
+                code="invalid_parameter",
+            )
         max_new = req.max_tokens or min(16, fe.max_new_tokens)
         if max_new > fe.max_new_tokens:
-            raise ApiError(400, f"max_tokens {max_new} exceeds the limit {fe.max_new_tokens} "
-                           "(spec.frontend.maxNewTokens)", param="max_tokens",
-                           code="invalid_parameter")
+            raise ApiError(
+                400,
+                f"max_tokens {max_new} exceeds the limit {fe.max_new_tokens} "
+                "(spec.frontend.maxNewTokens)",
+                param="max_tokens",
+                code="invalid_parameter",
+            )
         if len(ids) + max_new > fe.max_context_tokens:
-            raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds "
-                           f"the context limit {fe.max_context_tokens} tokens",
-                           param="prompt", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds "
+                f"the context limit {fe.max_context_tokens} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         return TurnRequest(rid, sid or "", ids, max_new, req.temperature, (tok.eos_id,)), sid or ""
 
-    async def run_turn(turn: TurnRequest, sid: str, text: str | None, stops: list[str],
-                       on_text=None) -> dict[str, Any]:
+    async def run_turn(
+        turn: TurnRequest, sid: str, text: str | None, stops: list[str], on_text=None
+    ) -> dict[str, Any]:
         """Drive a turn to the end; `on_text(str)` gets each text delta (streaming)."""
         t0 = time.perf_counter()
         dec = StreamDecoder(tok)
@@ -248,15 +305,22 @@ def create_app(config: ClusterConfig, backend: Backend,
         if text is not None:
             sessions.remember(sid, text + out_text, turn.prompt_ids + out_ids)
         return {
-            "text": out_text, "finish_reason": finish,
-            "usage": {"prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(out_ids),
-                      "total_tokens": len(turn.prompt_ids) + len(out_ids),
-                      "cached_tokens": routed.hit_tokens if routed else 0},
-            "dualpath": {"read_path": routed.read_path if routed else "none",
-                         "prefill_node": routed.prefill_node if routed else "",
-                         "decode_node": routed.decode_node if routed else "",
-                         "policy": routed.policy if routed else "",
-                         "session_id": sid, "token_ids": out_ids},
+            "text": out_text,
+            "finish_reason": finish,
+            "usage": {
+                "prompt_tokens": len(turn.prompt_ids),
+                "completion_tokens": len(out_ids),
+                "total_tokens": len(turn.prompt_ids) + len(out_ids),
+                "cached_tokens": routed.hit_tokens if routed else 0,
+            },
+            "dualpath": {
+                "read_path": routed.read_path if routed else "none",
+                "prefill_node": routed.prefill_node if routed else "",
+                "decode_node": routed.decode_node if routed else "",
+                "policy": routed.policy if routed else "",
+                "session_id": sid,
+                "token_ids": out_ids,
+            },
         }
 
     async def serve(request: Request, chat: bool) -> Response:
@@ -278,28 +342,39 @@ def create_app(config: ClusterConfig, backend: Backend,
                 metrics.requests.labels(endpoint, "200").inc()
                 return StreamingResponse(
                     _sse(turn, sid, text, stops, chat, created),
-                    media_type="text/event-stream", headers={"x-request-id": turn.request_id})
+                    media_type="text/event-stream",
+                    headers={"x-request-id": turn.request_id},
+                )
             res = await run_turn(turn, sid, text, stops)
         except ApiError as err:
             metrics.requests.labels(endpoint, str(err.status)).inc()
             return err.response()
         except BackendError as err:
             metrics.requests.labels(endpoint, str(err.status)).inc()
-            return ApiError(err.status, f"cluster unavailable: {err}", code="unavailable",
-                            type_="server_error").response()
+            return ApiError(
+                err.status, f"cluster unavailable: {err}", code="unavailable", type_="server_error"
+            ).response()
         metrics.requests.labels(endpoint, "200").inc()
         choice: dict[str, Any] = {"index": 0, "finish_reason": res["finish_reason"]}
         if chat:
             choice["message"] = {"role": "assistant", "content": res["text"]}
         else:
             choice["text"] = res["text"]
-        return JSONResponse({
-            "id": turn.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model_name, "choices": [choice],
-            "usage": res["usage"], "dualpath": res["dualpath"]})
+        return JSONResponse(
+            {
+                "id": turn.request_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+                "usage": res["usage"],
+                "dualpath": res["dualpath"],
+            }
+        )
 
-    async def _sse(turn: TurnRequest, sid: str, text: str | None, stops: list[str],
-                   chat: bool, created: int) -> AsyncIterator[bytes]:
+    async def _sse(
+        turn: TurnRequest, sid: str, text: str | None, stops: list[str], chat: bool, created: int
+    ) -> AsyncIterator[bytes]:
         import asyncio
 
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -311,8 +386,14 @@ def create_app(config: ClusterConfig, backend: Backend,
                 c["delta"] = {"content": delta} if delta is not None else {}
             else:
                 c["text"] = delta or ""
-            body = {"id": turn.request_id, "object": obj, "created": created,
-                    "model": model_name, "choices": [c], **(extra or {})}
+            body = {
+                "id": turn.request_id,
+                "object": obj,
+                "created": created,
+                "model": model_name,
+                "choices": [c],
+                **(extra or {}),
+            }
             return f"data: {json.dumps(body)}\n\n".encode()
 
         async def on_text(delta: str) -> None:
@@ -321,11 +402,22 @@ def create_app(config: ClusterConfig, backend: Backend,
         async def drive() -> None:
             try:
                 res = await run_turn(turn, sid, text, stops, on_text)
-                await queue.put(chunk(None, res["finish_reason"],
-                                      {"usage": res["usage"], "dualpath": res["dualpath"]}))
+                await queue.put(
+                    chunk(
+                        None,
+                        res["finish_reason"],
+                        {"usage": res["usage"], "dualpath": res["dualpath"]},
+                    )
+                )
             except BackendError as err:
-                e = {"error": {"message": f"cluster unavailable: {err}", "type": "server_error",
-                               "param": None, "code": "unavailable"}}
+                e = {
+                    "error": {
+                        "message": f"cluster unavailable: {err}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "unavailable",
+                    }
+                }
                 await queue.put(f"data: {json.dumps(e)}\n\n".encode())
             finally:
                 await queue.put(None)
@@ -351,14 +443,17 @@ def create_app(config: ClusterConfig, backend: Backend,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                             "owned_by": "dualpath"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "owned_by": "dualpath"}],
+        }
 
     @app.get("/health")
     async def health() -> Response:
         ok, msg = await backend.health()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": msg},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "detail": msg}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -370,7 +465,10 @@ def create_app(config: ClusterConfig, backend: Backend,
 
     @app.exception_handler(405)
     async def bad_method(request: Request, exc: Exception) -> Response:
-        return ApiError(405, f"method {request.method} not allowed on {request.url.path}",
-                        code="method_not_allowed").response()
+        return ApiError(
+            405,
+            f"method {request.method} not allowed on {request.url.path}",
+            code="method_not_allowed",
+        ).response()
 
     return app

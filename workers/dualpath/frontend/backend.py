@@ -111,8 +111,17 @@ class FakeBackend:
             raise BackendError("no healthy decode node")
         n = next(self._counter)
         hit = self.hit_tokens(req.prompt_ids)
-        path = "none" if hit == 0 else ("decode" if self.policy == "dualpath" and n % 2 else
-                                         "decode" if self.policy == "decode-read" else "prefill")
+        path = (
+            "none"
+            if hit == 0
+            else (
+                "decode"
+                if self.policy == "dualpath" and n % 2
+                else "decode"
+                if self.policy == "decode-read"
+                else "prefill"
+            )
+        )
         routed = Routed(req.request_id, "prefill-0", f"decode-{n % 2}", path, hit, self.policy)
         self.turns.append(routed)
         yield routed

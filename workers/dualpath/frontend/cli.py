@@ -14,11 +14,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, help="HTTP port (default: spec.frontend.port)")
-    parser.add_argument("--scheduler", default=None,
-                        help="scheduler host:port (default: 127.0.0.1:spec.scheduler.port)")
+    parser.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler host:port (default: 127.0.0.1:spec.scheduler.port)",
+    )
     parser.add_argument("--storage", default=None, help="KV directory (default: spec.storage.path)")
-    parser.add_argument("--fake", action="store_true",
-                        help="serve from the in-memory fake backend (no cluster; for trying the API)")
+    parser.add_argument(
+        "--fake",
+        action="store_true",
+        help="serve from the in-memory fake backend (no cluster; for trying the API)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

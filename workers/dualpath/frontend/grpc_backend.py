@@ -24,8 +24,13 @@ _PATHS = {0: "none", 1: "prefill", 2: "decode"}
 
 
 class GrpcBackend:
-    def __init__(self, config: ClusterConfig, scheduler_address: str, storage_path: str,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        scheduler_address: str,
+        storage_path: str,
+        timeout_s: float = 120.0,
+    ) -> None:
         self.config = config
         self.model = config.spec.model
         self.scheduler_address = scheduler_address
@@ -52,7 +57,8 @@ class GrpcBackend:
         try:
             view = await self._sched.stub.ClusterView(
                 __import__("dualpath.v1.scheduler_pb2", fromlist=["x"]).ClusterViewRequest(),
-                timeout=2.0)
+                timeout=2.0,
+            )
         except grpc.aio.AioRpcError as err:
             return False, f"scheduler {self.scheduler_address}: {err.code().name}"
         roles = {n.role for n in view.nodes if n.healthy}
@@ -84,24 +90,36 @@ class GrpcBackend:
         per_tok = self.model.kv_bytes_per_token
         try:
             route = await self._sched.route(
-                request_id=req.request_id, session_id=req.session_id,
-                prompt_tokens=len(req.prompt_ids), hit_tokens=hit, hit_bytes=hit * per_tok,
-                context_bytes=len(req.prompt_ids) * per_tok, max_new_tokens=req.max_new_tokens)
+                request_id=req.request_id,
+                session_id=req.session_id,
+                prompt_tokens=len(req.prompt_ids),
+                hit_tokens=hit,
+                hit_bytes=hit * per_tok,
+                context_bytes=len(req.prompt_ids) * per_tok,
+                max_new_tokens=req.max_new_tokens,
+            )
         except grpc.aio.AioRpcError as err:
             raise BackendError(f"scheduler Route: {err.code().name}: {err.details()}") from None
         path = _PATHS.get(route.read_path, "none") if hit else "none"
-        yield Routed(route.request_id, route.prefill_node, route.decode_node, path, hit,
-                     route.policy)
+        yield Routed(
+            route.request_id, route.prefill_node, route.decode_node, path, hit, route.policy
+        )
         generated, ok, reason = 0, False, "length"
         try:
             call = self._worker(route.decode_address).Generate(
                 worker_pb2.GenerateRequest(
-                    request_id=route.request_id, session_id=req.session_id,
-                    prompt_tokens=req.prompt_ids, hit_tokens=hit,
-                    max_new_tokens=req.max_new_tokens, read_path=route.read_path,
-                    prefill_node=route.prefill_node, prefill_address=route.prefill_address,
-                    stop_tokens=list(req.stop_ids)),
-                timeout=self.timeout_s)
+                    request_id=route.request_id,
+                    session_id=req.session_id,
+                    prompt_tokens=req.prompt_ids,
+                    hit_tokens=hit,
+                    max_new_tokens=req.max_new_tokens,
+                    read_path=route.read_path,
+                    prefill_node=route.prefill_node,
+                    prefill_address=route.prefill_address,
+                    stop_tokens=list(req.stop_ids),
+                ),
+                timeout=self.timeout_s,
+            )
             async for msg in call:
                 if msg.tokens:
                     generated += len(msg.tokens)
@@ -111,8 +129,9 @@ class GrpcBackend:
             ok = True
             yield Finished(reason, generated)
         except grpc.aio.AioRpcError as err:
-            raise BackendError(f"decode {route.decode_node} Generate: {err.code().name}: "
-                               f"{err.details()}") from None
+            raise BackendError(
+                f"decode {route.decode_node} Generate: {err.code().name}: {err.details()}"
+            ) from None
         finally:
             try:
                 await self._sched.complete(route.request_id, generated, ok)

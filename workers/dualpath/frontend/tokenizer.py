@@ -54,7 +54,9 @@ class StreamDecoder:
             b = data[-back]
             if b & 0xC0 == 0x80:
                 continue
-            need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            need = (
+                2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            )
             if need > back:
                 cut = len(data) - back
             break

@@ -35,22 +35,35 @@ POLICIES = ("prefill-read", "dualpath")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--plot", nargs="?", const="out/bench/local.png", default=None,
-                        help="write a PNG (default path out/bench/local.png)")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const="out/bench/local.png",
+        default=None,
+        help="write a PNG (default path out/bench/local.png)",
+    )
     parser.add_argument("--out", default="out/bench/local", help="run directory")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (P)")
     parser.add_argument("--decode", type=int, default=2, help="decode workers (D)")
-    parser.add_argument("--snic-gbps", type=float, default=None,
-                        help="emulated SNIC cap per node (default: spec.storage.snicGbps)")
+    parser.add_argument(
+        "--snic-gbps",
+        type=float,
+        default=None,
+        help="emulated SNIC cap per node (default: spec.storage.snicGbps)",
+    )
     parser.add_argument("--agents", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4, help="max turns per agent")
     parser.add_argument("--first-tokens", type=int, default=1536)
     parser.add_argument("--append-tokens", type=int, default=32)
     parser.add_argument("--gen-tokens", type=int, default=4)
     parser.add_argument("--context", type=int, default=8192, help="max context tokens")
-    parser.add_argument("--think-scale", type=float, default=0.0,
-                        help="multiply the trace's think times (0: offline, back to back)")
+    parser.add_argument(
+        "--think-scale",
+        type=float,
+        default=0.0,
+        help="multiply the trace's think times (0: offline, back to back)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
 
@@ -100,8 +113,10 @@ class Progress:
             return
         frac = self.done / max(1, self.total)
         bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r{self.label:<13} [{bar:<30}] {self.done}/{self.total} turns "
-                         f"{time.perf_counter() - self.t0:6.1f}s")
+        sys.stderr.write(
+            f"\r{self.label:<13} [{bar:<30}] {self.done}/{self.total} turns "
+            f"{time.perf_counter() - self.t0:6.1f}s"
+        )
         if self.done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -118,10 +133,16 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(4, min(vocab, 260)) for _ in range(n)]
 
 
-async def replay(client: httpx.AsyncClient, trajectories: list[Trajectory], model: str,
-                 vocab: int, seed: int = 0, think_scale: float = 0.0,
-                 progress: Progress | None = None, timeout_s: float = 600.0
-                 ) -> list[TurnResult]:
+async def replay(
+    client: httpx.AsyncClient,
+    trajectories: list[Trajectory],
+    model: str,
+    vocab: int,
+    seed: int = 0,
+    think_scale: float = 0.0,
+    progress: Progress | None = None,
+    timeout_s: float = 600.0,
+) -> list[TurnResult]:
     """Replay every agent concurrently; each agent's turns run one after another."""
     results: list[TurnResult] = []
 
@@ -133,13 +154,20 @@ async def replay(client: httpx.AsyncClient, trajectories: list[Trajectory], mode
             if i and think_scale > 0 and turn.think_s > 0:
                 await asyncio.sleep(turn.think_s * think_scale)
             history += _tokens(rng, turn.append_tokens, vocab)
-            body = {"model": model, "prompt": history, "max_tokens": turn.gen_tokens,
-                    "temperature": 0, "stream": True, "session_id": sid}
+            body = {
+                "model": model,
+                "prompt": history,
+                "max_tokens": turn.gen_tokens,
+                "temperature": 0,
+                "stream": True,
+                "session_id": sid,
+            }
             t0 = time.perf_counter()
             ttft, final, err = None, None, ""
             try:
-                async with client.stream("POST", "/v1/completions", json=body,
-                                         timeout=timeout_s) as r:
+                async with client.stream(
+                    "POST", "/v1/completions", json=body, timeout=timeout_s
+                ) as r:
                     if r.status_code != 200:
                         err = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     else:
@@ -158,15 +186,36 @@ async def replay(client: httpx.AsyncClient, trajectories: list[Trajectory], mode
                 err = f"{type(e).__name__}: {e}"
             lat = time.perf_counter() - t0
             if final is None:
-                results.append(TurnResult(tr.agent_id, i, len(history), [], 0, "none",
-                                          ttft or lat, lat, False, err or "no final chunk"))
+                results.append(
+                    TurnResult(
+                        tr.agent_id,
+                        i,
+                        len(history),
+                        [],
+                        0,
+                        "none",
+                        ttft or lat,
+                        lat,
+                        False,
+                        err or "no final chunk",
+                    )
+                )
                 if progress:
                     progress.step()
                 return  # the session's history is unknown now: stop this agent
             gen = list(final["dualpath"]["token_ids"])
-            results.append(TurnResult(
-                tr.agent_id, i, len(history), gen, final["usage"]["cached_tokens"],
-                final["dualpath"]["read_path"], ttft if ttft is not None else lat, lat))
+            results.append(
+                TurnResult(
+                    tr.agent_id,
+                    i,
+                    len(history),
+                    gen,
+                    final["usage"]["cached_tokens"],
+                    final["dualpath"]["read_path"],
+                    ttft if ttft is not None else lat,
+                    lat,
+                )
+            )
             history += gen
             if progress:
                 progress.step()
@@ -175,8 +224,13 @@ async def replay(client: httpx.AsyncClient, trajectories: list[Trajectory], mode
     return results
 
 
-def summarize(policy: str, results: list[TurnResult], elapsed_s: float,
-              bytes_read: dict[str, int], snic_caps_bytes_per_s: float) -> PolicyResult:
+def summarize(
+    policy: str,
+    results: list[TurnResult],
+    elapsed_s: float,
+    bytes_read: dict[str, int],
+    snic_caps_bytes_per_s: float,
+) -> PolicyResult:
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     gen = sum(len(r.generated) for r in ok)
@@ -185,7 +239,9 @@ def summarize(policy: str, results: list[TurnResult], elapsed_s: float,
     for r in ok:
         by_path[r.read_path] = by_path.get(r.read_path, 0) + 1
     return PolicyResult(
-        policy=policy, elapsed_s=round(elapsed_s, 3), turns=len(ok),
+        policy=policy,
+        elapsed_s=round(elapsed_s, 3),
+        turns=len(ok),
         failed=len(results) - len(ok),
         tokens_per_s=round((prompt + gen) / elapsed_s, 1) if elapsed_s else 0.0,
         generated_tokens_per_s=round(gen / elapsed_s, 2) if elapsed_s else 0.0,
@@ -193,10 +249,13 @@ def summarize(policy: str, results: list[TurnResult], elapsed_s: float,
         ttft_p50_s=round(_pct([r.ttft_s for r in ok], 0.5), 4),
         ttft_p99_s=round(_pct([r.ttft_s for r in ok], 0.99), 4),
         hit_rate=round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
-        bytes_read=bytes_read, snic_caps_bytes_per_s=snic_caps_bytes_per_s,
+        bytes_read=bytes_read,
+        snic_caps_bytes_per_s=snic_caps_bytes_per_s,
         pooled_snic_util=round(total_read / (snic_caps_bytes_per_s * elapsed_s), 4)
-        if snic_caps_bytes_per_s and elapsed_s else 0.0,
-        turns_by_path=by_path)
+        if snic_caps_bytes_per_s and elapsed_s
+        else 0.0,
+        turns_by_path=by_path,
+    )
 
 
 def scrape_read_bytes(metrics_url: str) -> int:
@@ -219,14 +278,18 @@ def _bytes_by_path(workers: dict[str, str]) -> dict[str, int]:
     return out
 
 
-def run_policy(cfg: config.ClusterConfig, policy: str, trajectories: list[Trajectory],
-               args: argparse.Namespace, sink) -> tuple[PolicyResult, list[TurnResult]]:
+def run_policy(
+    cfg: config.ClusterConfig,
+    policy: str,
+    trajectories: list[Trajectory],
+    args: argparse.Namespace,
+    sink,
+) -> tuple[PolicyResult, list[TurnResult]]:
     from dualpath.local.cluster import LocalCluster, with_overrides
 
     pcfg = with_overrides(cfg, **{"scheduler.policy": policy})
     run_dir = Path(args.out) / policy
-    with LocalCluster(pcfg, run_dir, sink=sink, fresh_storage=True,
-                      log_level="WARNING") as cluster:
+    with LocalCluster(pcfg, run_dir, sink=sink, fresh_storage=True, log_level="WARNING") as cluster:
         before = _bytes_by_path(cluster.endpoints.workers)
         total = sum(len(t.turns) for t in trajectories)
         prog = Progress(total, policy, enabled=True)
@@ -234,11 +297,18 @@ def run_policy(cfg: config.ClusterConfig, policy: str, trajectories: list[Trajec
 
         async def go() -> list[TurnResult]:
             limits = httpx.Limits(max_connections=len(trajectories) + 4)
-            async with httpx.AsyncClient(base_url=cluster.endpoints.frontend,
-                                         limits=limits) as client:
-                return await replay(client, trajectories, pcfg.spec.model.name,
-                                    pcfg.spec.model.vocab_size, args.seed, args.think_scale,
-                                    prog)
+            async with httpx.AsyncClient(
+                base_url=cluster.endpoints.frontend, limits=limits
+            ) as client:
+                return await replay(
+                    client,
+                    trajectories,
+                    pcfg.spec.model.name,
+                    pcfg.spec.model.vocab_size,
+                    args.seed,
+                    args.think_scale,
+                    prog,
+                )
 
         results = asyncio.run(go())
         elapsed = time.perf_counter() - t0
@@ -250,15 +320,18 @@ def run_policy(cfg: config.ClusterConfig, policy: str, trajectories: list[Trajec
 
 
 def table(results: list[PolicyResult], ratio: float | None) -> str:
-    head = (f"{'policy':<13}{'tok/s':>9}{'JCT s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-            f"{'read P MB':>11}{'read D MB':>11}{'SNIC util':>11}{'hit':>7}{'fail':>6}")
+    head = (
+        f"{'policy':<13}{'tok/s':>9}{'JCT s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'read P MB':>11}{'read D MB':>11}{'SNIC util':>11}{'hit':>7}{'fail':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
             f"{r.policy:<13}{r.tokens_per_s:>9.0f}{r.jct_s:>8.1f}{r.ttft_p50_s:>10.3f}"
             f"{r.ttft_p99_s:>10.3f}{r.bytes_read.get('prefill', 0) / 1e6:>11.1f}"
             f"{r.bytes_read.get('decode', 0) / 1e6:>11.1f}{r.pooled_snic_util:>11.2f}"
-            f"{r.hit_rate:>7.2f}{r.failed:>6d}")
+            f"{r.hit_rate:>7.2f}{r.failed:>6d}"
+        )
     if ratio is not None:
         lines.append(f"ratio (dualpath / prefill-read tokens/s) = {ratio:.2f}")
     return "\n".join(lines)
@@ -293,8 +366,11 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
     from dualpath.local.cluster import with_overrides
 
     cfg = config.load(args.file) if args.file else config.local_default()
-    over: dict[str, Any] = {"prefill.replicas": args.prefill, "decode.replicas": args.decode,
-                            "storage.path": str(Path(args.out) / "kv")}
+    over: dict[str, Any] = {
+        "prefill.replicas": args.prefill,
+        "decode.replicas": args.decode,
+        "storage.path": str(Path(args.out) / "kv"),
+    }
     if args.snic_gbps is not None:
         over["storage.snicGbps"] = args.snic_gbps
     return with_overrides(cfg, **over)
@@ -303,12 +379,22 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
 def run(args: argparse.Namespace) -> int:
     cfg = base_config(args)
     if cfg.spec.storage.snic_gbps <= 0:
-        print("error: storage.snicGbps must be > 0 for the local benchmark (the emulated SNIC "
-              "cap); pass --snic-gbps", file=sys.stderr)
+        print(
+            "error: storage.snicGbps must be > 0 for the local benchmark (the emulated SNIC "
+            "cap); pass --snic-gbps",
+            file=sys.stderr,
+        )
         return 2
-    spec = TraceSpec(agents=args.agents, max_context_tokens=args.context, max_turns=args.turns,
-                     mean_append_tokens=args.append_tokens, mean_gen_tokens=args.gen_tokens,
-                     first_tokens=args.first_tokens, seed=args.seed, length_sigma=0.3)
+    spec = TraceSpec(
+        agents=args.agents,
+        max_context_tokens=args.context,
+        max_turns=args.turns,
+        mean_append_tokens=args.append_tokens,
+        mean_gen_tokens=args.gen_tokens,
+        first_tokens=args.first_tokens,
+        seed=args.seed,
+        length_sigma=0.3,
+    )
     trajectories = generate(spec)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.log_file or Path(args.out) / "cluster.log")
@@ -325,12 +411,20 @@ def run(args: argparse.Namespace) -> int:
         ratio = round(by["dualpath"].tokens_per_s / by["prefill-read"].tokens_per_s, 3)
     keys = set.intersection(*(set(a) for a in answers.values())) if answers else set()
     same = all(len({tuple(a[k]) for a in answers.values()}) == 1 for k in keys)
-    doc = {"bench": "local", "ratio": ratio, "same_greedy_answers": same,
-           "compared_turns": len(keys),
-           "setup": {"prefill": cfg.spec.prefill.replicas, "decode": cfg.spec.decode.replicas,
-                     "snic_gbps": cfg.spec.storage.snic_gbps, "model": cfg.spec.model.name,
-                     "trace": asdict(spec)},
-           "policies": {r.policy: asdict(r) for r in out}}
+    doc = {
+        "bench": "local",
+        "ratio": ratio,
+        "same_greedy_answers": same,
+        "compared_turns": len(keys),
+        "setup": {
+            "prefill": cfg.spec.prefill.replicas,
+            "decode": cfg.spec.decode.replicas,
+            "snic_gbps": cfg.spec.storage.snic_gbps,
+            "model": cfg.spec.model.name,
+            "trace": asdict(spec),
+        },
+        "policies": {r.policy: asdict(r) for r in out},
+    }
     (Path(args.out) / "result.json").write_text(json.dumps(doc, indent=2))
     if args.plot:
         plot(out, args.plot)

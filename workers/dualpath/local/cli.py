@@ -35,13 +35,18 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start()
-        print(f"READY up frontend={cluster.endpoints.frontend} "
-              f"scheduler={cluster.endpoints.scheduler}", flush=True)
+        print(
+            f"READY up frontend={cluster.endpoints.frontend} "
+            f"scheduler={cluster.endpoints.scheduler}",
+            flush=True,
+        )
         while not stop.wait(0.5):
             dead = cluster.supervisor.exited()
             if dead:
-                log.error("process exited: %s; stopping the cluster",
-                          ", ".join(f"{n} (code {rc})" for n, rc in dead))
+                log.error(
+                    "process exited: %s; stopping the cluster",
+                    ", ".join(f"{n} (code {rc})" for n, rc in dead),
+                )
                 return 1
         log.info("stopping local cluster")
         return 0

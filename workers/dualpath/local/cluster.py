@@ -47,44 +47,107 @@ def _dualpath(*args: str) -> list[str]:
     return [sys.executable, "-m", "dualpath.cli", *args]
 
 
-def process_specs(cfg_path: Path, cfg: ClusterConfig, storage: Path, log_level: str = "INFO"
-                  ) -> tuple[list[ProcSpec], Endpoints]:
+def process_specs(
+    cfg_path: Path, cfg: ClusterConfig, storage: Path, log_level: str = "INFO"
+) -> tuple[list[ProcSpec], Endpoints]:
     ep = Endpoints()
     sched_port, sched_metrics = free_port(), free_port()
     ep.scheduler = f"127.0.0.1:{sched_port}"
     ep.scheduler_health = f"http://127.0.0.1:{sched_metrics}/health"
     common = [f"--log-level={log_level}"]  # one token: cli.py picks the command by position
-    specs = [ProcSpec("scheduler", _dualpath(*common, "scheduler", "-f", str(cfg_path),
-                                             "--host", "127.0.0.1", "--port", str(sched_port),
-                                             "--metrics-port", str(sched_metrics)),
-                      health_url=ep.scheduler_health, ready_timeout_s=60)]
+    specs = [
+        ProcSpec(
+            "scheduler",
+            _dualpath(
+                *common,
+                "scheduler",
+                "-f",
+                str(cfg_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(sched_port),
+                "--metrics-port",
+                str(sched_metrics),
+            ),
+            health_url=ep.scheduler_health,
+            ready_timeout_s=60,
+        )
+    ]
     for role, pool in (("prefill", cfg.spec.prefill), ("decode", cfg.spec.decode)):
         for i in range(pool.replicas):
             name = f"{role}-{i}"
             port, metrics = free_port(), free_port()
-            argv = _dualpath(*common, "worker", "--role", role, "--index", str(i),
-                             "-f", str(cfg_path), "--node-id", name, "--host", "127.0.0.1",
-                             "--port", str(port), "--metrics-port", str(metrics),
-                             "--scheduler", ep.scheduler, "--storage", str(storage))
+            argv = _dualpath(
+                *common,
+                "worker",
+                "--role",
+                role,
+                "--index",
+                str(i),
+                "-f",
+                str(cfg_path),
+                "--node-id",
+                name,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics),
+                "--scheduler",
+                ep.scheduler,
+                "--storage",
+                str(storage),
+            )
             ep.workers[name] = f"http://127.0.0.1:{metrics}/health"
-            specs.append(ProcSpec(name, argv, health_url=ep.workers[name], ready_timeout_s=180,
-                                  env={"OMP_NUM_THREADS": "1"}))
+            specs.append(
+                ProcSpec(
+                    name,
+                    argv,
+                    health_url=ep.workers[name],
+                    ready_timeout_s=180,
+                    env={"OMP_NUM_THREADS": "1"},
+                )
+            )
     fe_port = free_port()
     ep.frontend = f"http://127.0.0.1:{fe_port}"
-    specs.append(ProcSpec("frontend", _dualpath(*common, "frontend", "-f", str(cfg_path),
-                                                "--host", "127.0.0.1", "--port", str(fe_port),
-                                                "--scheduler", ep.scheduler,
-                                                "--storage", str(storage)),
-                          health_url=f"{ep.frontend}/health", ready_timeout_s=120))
+    specs.append(
+        ProcSpec(
+            "frontend",
+            _dualpath(
+                *common,
+                "frontend",
+                "-f",
+                str(cfg_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(fe_port),
+                "--scheduler",
+                ep.scheduler,
+                "--storage",
+                str(storage),
+            ),
+            health_url=f"{ep.frontend}/health",
+            ready_timeout_s=120,
+        )
+    )
     return specs, ep
 
 
 class LocalCluster:
     """Owns the processes of one local cluster; use as a context manager."""
 
-    def __init__(self, cfg: ClusterConfig, run_dir: str | Path, sink: IO[str] | None = None,
-                 grace_s: float = 5.0, log_level: str = "INFO", fresh_storage: bool = False
-                 ) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        run_dir: str | Path,
+        sink: IO[str] | None = None,
+        grace_s: float = 5.0,
+        log_level: str = "INFO",
+        fresh_storage: bool = False,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         storage = Path(cfg.spec.storage.path)
@@ -103,9 +166,14 @@ class LocalCluster:
         self.supervisor = Supervisor(grace_s=grace_s, sink=sink)
 
     def start(self) -> LocalCluster:
-        log.info("starting local cluster: 1 scheduler, %d prefill, %d decode, 1 frontend "
-                 "(SNIC %.2f Gbps/node, storage %s)", self.cfg.spec.prefill.replicas,
-                 self.cfg.spec.decode.replicas, self.cfg.spec.storage.snic_gbps, self.storage)
+        log.info(
+            "starting local cluster: 1 scheduler, %d prefill, %d decode, 1 frontend "
+            "(SNIC %.2f Gbps/node, storage %s)",
+            self.cfg.spec.prefill.replicas,
+            self.cfg.spec.decode.replicas,
+            self.cfg.spec.storage.snic_gbps,
+            self.storage,
+        )
         try:
             sched, *workers, frontend = self.specs
             self.supervisor.start([sched])

@@ -58,8 +58,9 @@ def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
 class Supervisor:
     """Owns its children: `stop()` (or leaving the `with` block) ends every one of them."""
 
-    def __init__(self, grace_s: float = 5.0, sink: IO[str] | None = None,
-                 prefix_width: int = 10) -> None:
+    def __init__(
+        self, grace_s: float = 5.0, sink: IO[str] | None = None, prefix_width: int = 10
+    ) -> None:
         self.grace_s = grace_s
         self.sink = sink or sys.stderr
         self.prefix_width = prefix_width
@@ -89,11 +90,16 @@ class Supervisor:
     def spawn(self, spec: ProcSpec) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         proc = subprocess.Popen(
-            spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,  # own process group: signals reach its children
+            spec.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # own process group: signals reach its children
         )
-        pump = threading.Thread(target=self._pump, args=(spec.name, proc.stdout),
-                                name=f"log-{spec.name}", daemon=True)
+        pump = threading.Thread(
+            target=self._pump, args=(spec.name, proc.stdout), name=f"log-{spec.name}", daemon=True
+        )
         pump.start()
         self.children.append(_Child(spec, proc, pump))
         log.info("started %s (pid %d)", spec.name, proc.pid)
@@ -101,8 +107,11 @@ class Supervisor:
 
     def wait_ready(self, names: list[str] | None = None) -> None:
         """Poll every named child's health URL until 200; raise if one exits or times out."""
-        todo = [c for c in self.children if c.spec.health_url and
-                (names is None or c.spec.name in names)]
+        todo = [
+            c
+            for c in self.children
+            if c.spec.health_url and (names is None or c.spec.name in names)
+        ]
         deadline = {c.spec.name: time.monotonic() + c.spec.ready_timeout_s for c in todo}
         while todo:
             if self.abort.is_set():
@@ -110,14 +119,18 @@ class Supervisor:
             for c in list(todo):
                 rc = c.proc.poll()
                 if rc is not None:
-                    raise StartError(f"{c.spec.name} exited with code {rc} before it was ready "
-                                     "(see its log lines above)")
+                    raise StartError(
+                        f"{c.spec.name} exited with code {rc} before it was ready "
+                        "(see its log lines above)"
+                    )
                 if _http_ok(c.spec.health_url or ""):
                     log.info("%s ready", c.spec.name)
                     todo.remove(c)
                 elif time.monotonic() > deadline[c.spec.name]:
-                    raise StartError(f"{c.spec.name} not healthy at {c.spec.health_url} after "
-                                     f"{c.spec.ready_timeout_s:.0f}s")
+                    raise StartError(
+                        f"{c.spec.name} not healthy at {c.spec.health_url} after "
+                        f"{c.spec.ready_timeout_s:.0f}s"
+                    )
             if todo:
                 time.sleep(0.1)
 
@@ -128,8 +141,9 @@ class Supervisor:
             self.wait_ready([spec.name])
 
     def exited(self) -> list[tuple[str, int]]:
-        return [(c.spec.name, c.proc.returncode) for c in self.children
-                if c.proc.poll() is not None]
+        return [
+            (c.spec.name, c.proc.returncode) for c in self.children if c.proc.poll() is not None
+        ]
 
     def stop(self) -> None:
         """SIGTERM every group (last started first), SIGKILL what is left after the grace."""
