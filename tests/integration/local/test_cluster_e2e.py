@@ -1,0 +1,166 @@
+"""End to end over HTTP on a real local cluster (scheduler, workers, frontend processes).
+
+Skipped until the worker processes (`dualpath.worker`) exist.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from dualpath.config import local_default
+from dualpath.local.cluster import LocalCluster, with_overrides
+
+pytest.importorskip("dualpath.worker.cli", reason="worker processes not built yet")
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp: Path, policy: str):
+    return with_overrides(
+        local_default(),
+        **{
+            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
+            "scheduler.policy": policy,
+            "storage.path": str(tmp / f"kv-{policy}"),
+            "storage.snicGbps": 8,
+            "prefill.kvBufferBytes": 64 << 20,
+            "decode.kvBufferBytes": 64 << 20,
+        },
+    )
+
+
+def _session(c: httpx.Client, model: str, sid: str) -> list[dict]:
+    out = []
+    prompt = "You are a careful agent. " * 8
+    for turn in range(3):
+        r = c.post(
+            "/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": 6, "session_id": sid},
+        )
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+        prompt += out[-1]["choices"][0]["text"] + f" tool result {turn}: ok. " * 4
+    return out
+
+
+def _stream_text(c: httpx.Client, body: dict) -> str:
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1])
+
+
+def test_cluster_serves_hits_store_rejects_and_answers_match(tmp_path: Path) -> None:
+    answers = {}
+    for policy in ("prefill-read", "decode-read", "dualpath"):
+        cfg = _cfg(tmp_path, policy)
+        model = cfg.spec.model.name
+        with LocalCluster(cfg, tmp_path / policy, sink=io.StringIO(), grace_s=3) as cl:
+            with httpx.Client(base_url=cl.endpoints.frontend, timeout=120) as c:
+                turns = _session(c, model, "s1")
+                assert turns[0]["usage"]["cached_tokens"] == 0
+                assert all(t["usage"]["cached_tokens"] > 0 for t in turns[1:])
+                if policy != "dualpath":
+                    want = "prefill" if policy == "prefill-read" else "decode"
+                    assert {t["dualpath"]["read_path"] for t in turns[1:]} == {want}
+                answers[policy] = [t["dualpath"]["token_ids"] for t in turns]
+                body = {"model": model, "prompt": "stream me", "max_tokens": 5}
+                plain = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                assert _stream_text(c, body) == plain
+                if policy == "dualpath":
+                    for bad, status in (
+                        (b"{", 400),
+                        (json.dumps({"model": "x", "prompt": "a"}).encode(), 404),
+                        (
+                            json.dumps(
+                                {"model": model, "prompt": "a", "top_k": "x", "max_tokens": -1}
+                            ).encode(),
+                            400,
+                        ),
+                        (json.dumps({"model": model, "prompt": "a" * 70000}).encode(), 400),
+                    ):
+                        r = c.post(
+                            "/v1/completions",
+                            content=bad,
+                            headers={"content-type": "application/json"},
+                        )
+                        assert r.status_code == status and "error" in r.json()
+                    assert (
+                        c.post("/v1/completions", json=body).json()["choices"][0]["text"] == plain
+                    )
+                    assert c.get("/health").status_code == 200
+    assert answers["prefill-read"] == answers["decode-read"] == answers["dualpath"]
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def test_dualpath_up_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(_cfg(tmp_path, "dualpath").to_resource()))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "up",
+            "-f",
+            str(cfg_file),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--grace",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while time.monotonic() < deadline and "READY up" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "dualpath up exited before READY"
+        assert "READY up" in line
+        kids = _descendants(proc.pid)
+        assert len(kids) >= 5  # scheduler, prefill-0, decode-0, decode-1, frontend
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.5)
+        alive = [
+            k
+            for k in kids
+            if Path(f"/proc/{k}").exists()
+            and Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        ]
+        assert not alive
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
