@@ -61,6 +61,9 @@ PRESETS: dict[str, Preset] = {
         Preset("bench", "48P+96D, one simulated hour of the offline workload (speed bench)",
                "offline", "deepseek-v3.2", "32k", 48, 96, (48 * 7680,), horizon_s=3600.0,
                agent_group=32, active_per_prefill=512, paper=PAPER_OFFLINE),
+        Preset("offline-48p96d", "alias of bench (the name bench/run_all.sh uses)", "offline",
+               "deepseek-v3.2", "32k", 48, 96, (48 * 7680,), horizon_s=3600.0,
+               agent_group=32, active_per_prefill=512, paper=PAPER_OFFLINE),
         Preset("tiny", "2P+2D, few agents; for tests and smoke runs", "offline",
                "deepseek-v3.2", "32k", 1, 2, (8, 16), paper=PAPER_OFFLINE),
     ]
