@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("dualpath.worker.cli") is None:
+    # find_spec of a submodule raises (not None) when its parent package is absent
+    if importlib.util.find_spec("dualpath.worker") is None:
         log.warning("dualpath.worker is not installed: no local cluster; running the store bench")
         from dualpath.kv import bench as store_bench
 
