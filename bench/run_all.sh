@@ -20,6 +20,9 @@ run store_capped bench store --json --snic-gbps 1
 run engine bench engine --json
 run transfer bench transfer --json
 run scheduler bench scheduler --nodes 144 --json
-run sim bench_sim sim --preset offline-48p96d --json 2>/dev/null || true
+run sim_bench sim --preset bench --policies dualpath --json --quiet
+run sim_scale sim --preset scale --json --quiet --plot out/bench/sim_scale.png
+run sim_offline sim --preset offline --json --quiet --plot out/bench/sim_offline.png
+run sim_online sim --preset online --json --quiet --plot out/bench/sim_online.png
 run local bench local --json --plot out/bench/local.png
 exit $status
