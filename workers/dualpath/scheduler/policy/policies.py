@@ -16,18 +16,25 @@ from dualpath.scheduler.policy.inter_node import (
 from dualpath.scheduler.policy.types import ClusterView, Decision, ReadPath, RouteRequest
 
 
+def _pair(request: RouteRequest, view: ClusterView):
+    """The paper's (prefill, decode) choice shared by every load-aware policy; None: wait."""
+    p = pick_prefill(view)
+    if p is None:
+        return None
+    d = pick_decode(request, view)
+    return None if d is None else (p, d)
+
+
 class DualPathPolicy:
     """Pick the pair by the paper's inter-node rules, read through the faster side."""
 
     name = "dualpath"
 
     def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
-        p = pick_prefill(view)
-        if p is None:
+        pair = _pair(request, view)
+        if pair is None:
             return None
-        d = pick_decode(request, view)
-        if d is None:
-            return None
+        p, d = pair
         path, chosen, other = pick_path(request, p, d, view)
         return Decision(request.request_id, p.node_id, d.node_id, path, chosen, other)
 
@@ -40,12 +47,10 @@ class FixedPathPolicy:
         self.path = path
 
     def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
-        p = pick_prefill(view)
-        if p is None:
+        pair = _pair(request, view)
+        if pair is None:
             return None
-        d = pick_decode(request, view)
-        if d is None:
-            return None
+        p, d = pair
         via_p, via_d = path_finish_s(request, p, d, view)
         chosen, other = (via_p, via_d) if self.path is ReadPath.PREFILL else (via_d, via_p)
         return Decision(request.request_id, p.node_id, d.node_id, self.path, chosen, other)
