@@ -107,12 +107,15 @@ class PagedKVCache:
             self.k[l, page_idx, slot] = k.to(self.k.dtype)
             self.v[l, page_idx, slot] = v.to(self.v.dtype)
 
-    def read(self, pages: Sequence[int], length: int) -> list[LayerKV]:
-        idx = torch.tensor(pages, dtype=torch.long)
+    def read(self, pages: Sequence[int], length: int, start: int = 0) -> list[LayerKV]:
+        """Tokens start..length of a sequence, per layer (copies: the pages are reused)."""
+        first = start // self.page_tokens
+        idx = torch.tensor(pages[first : -(-length // self.page_tokens)], dtype=torch.long)
+        lo, hi = start - first * self.page_tokens, length - first * self.page_tokens
         out = []
         for l in range(self.k.shape[0]):  # noqa: E741
-            k = self.k[l, idx].reshape(-1, *self.k.shape[3:])[:length].clone()
-            v = self.v[l, idx].reshape(-1, *self.v.shape[3:])[:length].clone()
+            k = self.k[l, idx].reshape(-1, *self.k.shape[3:])[lo:hi]
+            v = self.v[l, idx].reshape(-1, *self.v.shape[3:])[lo:hi]
             out.append((k, v))
         return out
 

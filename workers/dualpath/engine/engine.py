@@ -133,10 +133,11 @@ class Engine:
     def tokens(self, seq_id: str) -> list[int]:
         return list(self.sequences[seq_id].generated)
 
-    def sequence_kv(self, seq_id: str) -> list[LayerKV]:
-        """Cached KV of a sequence (context + generated tokens fed so far), per layer."""
+    def sequence_kv(self, seq_id: str, start: int = 0) -> list[LayerKV]:
+        """Cached KV of a sequence (context + generated tokens fed so far) from token
+        `start` on, per layer."""
         q = self.sequences[seq_id]
-        return self.cache.read(q.pages, q.length)
+        return self.cache.read(q.pages, q.length, start)
 
     def free(self, seq_id: str) -> None:
         q = self.sequences.pop(seq_id, None)

@@ -117,6 +117,7 @@ class GrpcBackend:
                     prefill_node=route.prefill_node,
                     prefill_address=route.prefill_address,
                     stop_tokens=list(req.stop_ids),
+                    temperature=req.temperature,
                 ),
                 timeout=self.timeout_s,
             )

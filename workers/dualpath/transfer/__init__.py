@@ -1,0 +1,2 @@
+"""KV transfer between worker processes: the NIXL transfer engine, its registered buffer
+pool, and the emulated compute link shared by traffic classes (DESIGN sections 3 and 5)."""

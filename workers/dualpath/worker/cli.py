@@ -1,0 +1,86 @@
+"""`dualpath worker --role prefill|decode`: run one worker process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+
+from dualpath import config
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", required=True, choices=["prefill", "decode"])
+    parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
+    parser.add_argument("--index", type=int, default=0, help="replica index (default node id)")
+    parser.add_argument("--node-id", help="default: <role>-<index>, or $POD_NAME")
+    parser.add_argument("--host", default="0.0.0.0", help="gRPC bind address")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    parser.add_argument(
+        "--advertise",
+        default="",
+        help="host:port peers reach this worker at (default: "
+        "$POD_IP or the bind host, with the bound port)",
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
+    parser.add_argument("--scheduler", default="", help="scheduler host:port (empty: none)")
+    parser.add_argument("--storage", default=None, help="KV directory (default: spec.storage.path)")
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=65536,
+        help="decode: tokens of the paged KV cache shared by the decode batch",
+    )
+    parser.add_argument("--deadline", type=float, default=60.0, help="per-request deadline, s")
+    parser.add_argument("--grace", type=float, default=10.0, help="drain time on SIGTERM, s")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import os
+
+    from dualpath.observability import ObservabilityServer
+    from dualpath.worker.node import NodeOptions, WorkerNode
+
+    cfg = config.load(args.file) if args.file else config.local_default()
+    role = config.Role(args.role)
+    node_id = args.node_id or os.environ.get("POD_NAME") or f"{role.value}-{args.index}"
+    opts = NodeOptions(
+        role=role,
+        node_id=node_id,
+        host=args.host,
+        port=args.port,
+        scheduler=args.scheduler,
+        storage=args.storage or "",
+        kv_cache_tokens=args.kv_cache_tokens,
+        deadline_s=args.deadline,
+        grace_s=args.grace,
+        advertise=args.advertise,
+        advertise_host=os.environ.get("POD_IP")
+        or (args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()),
+    )
+    node = WorkerNode(cfg, opts)
+    obs = ObservabilityServer(args.metrics_port, health=node.health).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await node.start()
+        print(
+            f"READY worker role={role.value} node={node_id} grpc={node.address} metrics={obs.port}",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("stopping worker %s: draining", node_id)
+        await node.drain_and_stop()
+    finally:
+        obs.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0

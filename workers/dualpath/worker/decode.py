@@ -1,0 +1,329 @@
+"""The decode role: serve a turn (`Worker.Generate`) end to end from the decode node.
+
+For one request:
+1. regions of the registered buffer for the hit KV and the new tokens' KV;
+2. path D: this node reads the hit blocks from storage into its hit region (its own SNIC);
+3. it calls the prefill worker's `Prefill`; on `accepted`, path D streams each hit layer to
+   the prefill node as soon as it is read (NIXL WRITE + notification per layer);
+4. the prefill writes every new-token layer here (path P: every hit layer too), then `done`
+   brings the last logits; the whole context's KV is then in this node's buffer;
+5. the sequence joins the continuous-batching decode loop; tokens stream back;
+6. before the last token is sent, the turn's new full blocks are written to the store, so the
+   agent's next turn hits them.
+
+Hit KV that cannot be loaded (a bad or vanished block) is never used: the request is retried
+once with no hit (full recompute), logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+
+from dualpath.engine import CacheFullError, SamplingParams
+from dualpath.kv import KVLoadError, block_ids
+from dualpath.transfer.engine import TransferError
+from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.worker import metrics
+from dualpath.worker.layout import RequestLayout
+from dualpath.worker.prefill import PATH_NAMES, HitUnavailable, hit_notif, new_notif
+
+log = logging.getLogger(__name__)
+
+_PATH_ENUM = {
+    "prefill": spb.READ_PATH_PREFILL,
+    "decode": spb.READ_PATH_DECODE,
+    "none": spb.READ_PATH_UNSPECIFIED,
+}
+
+
+class PrefillFailed(RuntimeError):
+    pass
+
+
+class DecodeRole:
+    def __init__(self, node) -> None:  # noqa: ANN001 (WorkerNode)
+        self.node = node
+        self.tokens_queued = 0  # prompts being prefilled for this node
+        self.tokens_running = 0  # context tokens of sequences in the decode batch
+        self.requests_running = 0
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._work = asyncio.Event()
+        self._freed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._decode_loop(), name="decode")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _decode_loop(self) -> None:
+        engine = self.node.engine
+        while True:
+            await self._work.wait()
+            if not engine.running:
+                self._work.clear()
+                continue
+            try:
+                outs = await engine.astep()
+            except Exception:
+                log.exception("decode step failed; failing the running sequences")
+                for q in self._queues.values():
+                    q.put_nowait(None)
+                await asyncio.sleep(0.1)
+                continue
+            metrics.TOKENS.labels("decode").inc(len(outs))
+            for o in outs:
+                q = self._queues.get(o.seq_id)
+                if q is not None:
+                    q.put_nowait(o)
+
+    # ---- one turn -----------------------------------------------------------------------------
+
+    async def generate(self, req: wpb.GenerateRequest) -> AsyncIterator[wpb.GenerateChunk]:
+        node = self.node
+        model = node.cfg.spec.model
+        prompt = list(req.prompt_tokens)
+        if not prompt:
+            raise ValueError("prompt_tokens is empty")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})"
+            )
+        rid = req.request_id
+        hit = min(int(req.hit_tokens), (len(prompt) - 1) // model.block_tokens * model.block_tokens)
+        hit -= hit % model.block_tokens
+        path = PATH_NAMES.get(req.read_path, "prefill") if hit else "none"
+        t0 = time.perf_counter()
+        self.tokens_queued += len(prompt)
+        try:
+            try:
+                kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
+            except (HitUnavailable, KVLoadError) as err:
+                metrics.FALLBACKS.labels("hit_unavailable").inc()
+                log.warning("request %s: hit KV unavailable (%s); recomputing the prompt", rid, err)
+                kv, logits, hit, path = await self._prefill(req, prompt, 0, "none")
+        finally:
+            self.tokens_queued -= len(prompt)
+        prefill_s = time.perf_counter() - t0
+        params = SamplingParams(
+            temperature=max(0.0, req.temperature),
+            max_tokens=req.max_new_tokens,
+            stop_tokens=tuple(req.stop_tokens),
+            seed=req.seed,
+        )
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        admitted = False
+        outcome = "error"
+        try:
+            first = await self._admit(rid, kv, logits, params)
+            admitted = True
+            del kv
+            self.tokens_running += len(prompt)
+            self.requests_running += 1
+            generated = [first.token]
+            out = first
+            head = dict(hit_tokens=hit, read_path=_PATH_ENUM[path], prefill_seconds=prefill_s)
+            if not out.finished:
+                yield wpb.GenerateChunk(tokens=[out.token], **head)
+                head = {}
+                self._work.set()
+                while True:
+                    out = await queue.get()
+                    if out is None:
+                        raise RuntimeError("decode step failed")
+                    generated.append(out.token)
+                    if out.finished:
+                        break
+                    yield wpb.GenerateChunk(tokens=[out.token])
+            await self._store_turn(rid, prompt, generated, hit)
+            yield wpb.GenerateChunk(
+                tokens=[out.token], finish_reason=out.reason or "length", **head
+            )
+            outcome = "ok"
+        finally:
+            self._queues.pop(rid, None)
+            if admitted:
+                self.tokens_running -= len(prompt)
+                self.requests_running -= 1
+                await asyncio.get_running_loop().run_in_executor(
+                    node.engine.executor, node.engine.free, rid
+                )
+                self._freed.set()
+            metrics.REQUESTS.labels("decode", path, outcome).inc()
+
+    async def _admit(self, rid, kv, logits, params):  # noqa: ANN001, ANN202
+        """Add the sequence to the decode batch (on the compute thread), waiting for pages."""
+        engine = self.node.engine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.node.deadline_s
+        while True:
+            try:
+                return await loop.run_in_executor(
+                    engine.executor, engine.add_sequence, rid, kv, logits, params
+                )
+            except CacheFullError:
+                if loop.time() > deadline:
+                    raise
+                self._freed.clear()
+                try:
+                    await asyncio.wait_for(self._freed.wait(), 0.5)
+                except TimeoutError:
+                    pass
+
+    async def _store_turn(self, rid: str, prompt: list[int], generated: list[int], hit: int):
+        """Write the turn's new full blocks (prompt + generated, last token excluded)."""
+        node = self.node
+        tokens = prompt + generated[:-1]
+        bt = node.cfg.spec.model.block_tokens
+        if len(tokens) // bt <= hit // bt:
+            return
+        loop = asyncio.get_running_loop()
+        kv = await loop.run_in_executor(node.engine.executor, node.engine.sequence_kv, rid, hit)
+        try:
+            written = await asyncio.to_thread(node.store.put_tokens, tokens, kv, hit)
+        except OSError as err:  # a full or failing disk must not fail the answer
+            log.warning("request %s: writing its KV blocks failed: %s", rid, err)
+            return
+        log.debug("request %s: %d new blocks stored", rid, len(written))
+
+    async def _prefill(
+        self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str
+    ) -> tuple[list, torch.Tensor, int, str]:
+        """Steps 1-4 of the module docstring: the whole prompt's KV here, and the logits."""
+        node = self.node
+        model = node.cfg.spec.model
+        transfer = node.transfer
+        rid = req.request_id
+        deadline_s = node.deadline_s
+        regions = []
+        handle = None
+        call = None
+        tasks: list[asyncio.Task] = []
+        clean = False
+        try:
+            layout = RequestLayout.of(model, hit, len(prompt))
+            hit_region = None
+            if layout.hit_blocks:
+                hit_region = await transfer.pool.alloc_wait(layout.hit_bytes, deadline_s)
+                regions.append(hit_region)
+            if path == "decode":
+                ids = block_ids(prompt, model)[: layout.hit_blocks]
+                handle = node.read_queue.submit(ids, out=hit_region.tensor)
+                valid = await handle.ready()
+                if valid < layout.hit_blocks:  # shrink the hit to the valid prefix, same region
+                    handle.close()
+                    log.warning(
+                        "request %s: %d of %d hit blocks unreadable; using %d",
+                        rid,
+                        layout.hit_blocks - valid,
+                        layout.hit_blocks,
+                        valid,
+                    )
+                    metrics.FALLBACKS.labels("short_hit").inc()
+                    layout = RequestLayout.of(model, valid * model.block_tokens, len(prompt))
+                    handle = node.read_queue.submit(ids[:valid], out=hit_region.tensor)
+                    await handle.ready()
+                    if not valid:
+                        path = "none"
+            new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
+            regions.append(new_region)
+            stub = node.worker_stub(req.prefill_address)
+            call = stub.Prefill(
+                wpb.PrefillRequest(
+                    request_id=rid,
+                    prompt_tokens=prompt,
+                    hit_tokens=layout.hit_tokens,
+                    read_path=_PATH_ENUM[path],
+                    decode_node=node.node_id,
+                    decode_agent=transfer.name,
+                    decode_agent_metadata=transfer.metadata,
+                    decode_hit=wpb.Region(address=hit_region.address, length=hit_region.nbytes)
+                    if hit_region is not None
+                    else None,
+                    decode_new=wpb.Region(address=new_region.address, length=new_region.nbytes),
+                ),
+                timeout=deadline_s,
+            )
+            stream = call.__aiter__()
+            accepted = (await anext(stream)).accepted
+            peer = accepted.prefill_agent
+            if not transfer.knows(peer):
+                transfer.add_peer(accepted.prefill_agent_metadata)
+            if path == "decode":
+                tasks = [
+                    asyncio.create_task(
+                        self._stream_hit(handle, layout, hit_region, accepted, peer, rid, layer)
+                    )
+                    for layer in range(layout.layers)
+                ]
+            done_msg = await anext(stream)
+            if done_msg.WhichOneof("kind") != "done":
+                raise PrefillFailed(f"prefill of {rid}: unexpected message {done_msg}")
+            done = done_msg.done
+            await asyncio.gather(*tasks)
+            waits = [
+                transfer.wait_notif(peer, new_notif(rid, i), deadline_s)
+                for i in range(layout.layers)
+            ]
+            if path == "prefill":
+                waits += [
+                    transfer.wait_notif(peer, hit_notif(rid, i), deadline_s)
+                    for i in range(layout.layers)
+                ]
+            await asyncio.gather(*waits)
+            kv = layout.context(
+                hit_region.tensor if hit_region is not None else None, new_region.tensor
+            )
+            logits = torch.frombuffer(bytearray(done.last_logits), dtype=torch.float32)
+            if layout.hit_blocks:
+                metrics.HIT_BYTES.labels(path).inc(layout.hit_bytes)
+            clean = True
+            return kv, logits, layout.hit_tokens, path
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise HitUnavailable(err.details()) from None
+            raise PrefillFailed(
+                f"prefill worker {req.prefill_node} ({req.prefill_address}): "
+                f"{err.code().name}: {err.details()}"
+            ) from None
+        except TransferError as err:
+            raise PrefillFailed(f"KV transfer with {req.prefill_node}: {err}") from None
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            if call is not None and not clean:
+                call.cancel()
+            if handle is not None:
+                handle.close()
+            node.release(regions, clean=clean)
+            transfer.discard_notifs(f"{rid}/".encode())
+
+    async def _stream_hit(self, handle, layout, hit_region, accepted, peer, rid, layer):  # noqa: ANN001
+        """Path D: once hit layer `layer` is read here, write it to the prefill node."""
+        await handle.layer(layer)
+        off = layer * layout.hit_layer_bytes
+        await self.node.transfer.write(
+            peer,
+            hit_region.address + off,
+            layout.hit_layer_bytes,
+            accepted.prefill_hit.address + off,
+            notif=hit_notif(rid, layer),
+        )

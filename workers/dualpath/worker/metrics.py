@@ -1,0 +1,40 @@
+"""Prometheus metrics of the worker processes (prefill and decode roles)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "dualpath_worker_requests_total",
+    "requests served, by role, read path (prefill, decode, none) and outcome",
+    ["role", "path", "outcome"],
+)
+HIT_BYTES = Counter(
+    "dualpath_worker_hit_bytes_total",
+    "hit KV bytes loaded for prefills, by the path that read them from storage",
+    ["path"],
+)
+FALLBACKS = Counter(
+    "dualpath_worker_recompute_fallbacks_total",
+    "requests whose hit KV could not be loaded and were recomputed from scratch",
+    ["reason"],
+)
+PREFILL_SECONDS = Histogram(
+    "dualpath_worker_prefill_seconds",
+    "prefill duration on the prefill worker (admission to last layer written)",
+    ["path"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+PREFILL_WAIT_SECONDS = Counter(
+    "dualpath_worker_prefill_kv_wait_seconds_total",
+    "seconds the prefill compute thread waited for hit KV layers to arrive",
+    ["path"],
+)
+TOKENS = Counter(
+    "dualpath_worker_tokens_total", "tokens processed, by kind (prefill, decode)", ["kind"]
+)
+LOAD = Gauge(
+    "dualpath_worker_load",
+    "the load a worker reports to the scheduler, by field",
+    ["field"],
+)

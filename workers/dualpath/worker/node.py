@@ -1,0 +1,304 @@
+"""A worker process: what a prefill or decode node holds, and its gRPC service.
+
+`WorkerNode` owns the node's parts and stops them in order: the torch engine (one compute
+thread), the KV store and its read queue (the node's storage NIC, optionally capped at
+`storage.snicGbps`), the NIXL transfer engine with its registered KV buffer (and the
+emulated compute link, `network.cnicGbps`), the scheduler registration with heartbeats, the
+gRPC server (Worker service + standard health) and the /metrics, /health endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from dualpath.config import ClusterConfig, Role
+from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.v1 import worker_pb2_grpc as wpb_grpc
+from dualpath.worker import metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeOptions:
+    role: Role
+    node_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str = ""  # host:port peers and the scheduler use (default below)
+    advertise_host: str = ""  # with the bound port when `advertise` is empty (default host)
+    scheduler: str = ""  # empty: run without a scheduler (tests)
+    storage: str = ""
+    kv_cache_tokens: int = 65536  # decode: the paged KV cache of the decode batch
+    deadline_s: float = 60.0
+    grace_s: float = 10.0
+    store_backend: str = "auto"
+
+
+class WorkerServicer(wpb_grpc.WorkerServicer):
+    """Thin adapter: role objects do the work; errors become gRPC statuses."""
+
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+
+    async def GetTransferInfo(self, request, context):  # noqa: N802, ANN001, ANN201
+        n = self.node
+        return wpb.TransferInfo(
+            agent=n.transfer.name,
+            metadata=n.transfer.metadata,
+            node_id=n.node_id,
+            role=spb.ROLE_PREFILL if n.role is Role.PREFILL else spb.ROLE_DECODE,
+            config_hash=n.cfg.config_hash,
+        )
+
+    async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
+        from dualpath.worker.prefill import HitUnavailable
+
+        n = self.node
+        if n.prefill is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a decode node"
+            )
+        try:
+            await n.prefill.serve(request, context)
+        except HitUnavailable as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hit KV unavailable: {err}")
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except Exception as err:
+            log.exception("prefill %s failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
+
+    async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        n = self.node
+        if n.decode is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a prefill node"
+            )
+        if n.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is draining")
+        n.inflight += 1
+        try:
+            async for chunk in n.decode.generate(request):
+                yield chunk
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.warning("request %s failed: %s", request.request_id, err)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id}: {err}")
+        finally:
+            n.inflight -= 1
+
+
+class WorkerNode:
+    def __init__(self, cfg: ClusterConfig, opts: NodeOptions) -> None:
+        self.cfg = cfg
+        self.opts = opts
+        self.role = opts.role
+        self.node_id = opts.node_id
+        self.deadline_s = opts.deadline_s
+        self.draining = False
+        self.inflight = 0
+        self.ready = False
+        self.prefill = None
+        self.decode = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._agent = None
+        self.port = 0
+
+    # ---- start ----------------------------------------------------------------------------
+
+    async def start(self) -> WorkerNode:
+        from dualpath.engine import Engine
+        from dualpath.kv import KVStore, ReadQueue
+        from dualpath.transfer.engine import TransferEngine
+        from dualpath.transfer.link import ComputeLink
+        from dualpath.worker.decode import DecodeRole
+        from dualpath.worker.prefill import PrefillRole
+
+        spec = self.cfg.spec
+        pool = spec.pool(self.role)
+        loop = asyncio.get_running_loop()
+        # the model loads on a thread so the loop stays responsive (health answers 503 meanwhile)
+        cache_tokens = (
+            self.opts.kv_cache_tokens if self.role is Role.DECODE else spec.model.block_tokens
+        )
+        self.engine = await loop.run_in_executor(
+            None, lambda: Engine(spec.model, kv_capacity_tokens=cache_tokens)
+        )
+        storage = self.opts.storage or spec.storage.path
+        backend = self.opts.store_backend if spec.storage.use_nixl else "preadv"
+        self.store = KVStore(storage, spec.model, spec.storage.capacity_bytes, backend=backend)
+        self.read_queue = ReadQueue(
+            self.store, spec.storage.read_concurrency, spec.storage.snic_gbps, name=self.node_id
+        )
+        self.transfer = TransferEngine(
+            self.node_id,
+            pool.kv_buffer_bytes,
+            link=ComputeLink.from_spec(spec.network),
+            deadline_s=self.deadline_s,
+        ).start()
+        if self.role is Role.PREFILL:
+            self.prefill = PrefillRole(self)
+        else:
+            self.decode = DecodeRole(self)
+            self.decode.start()
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ]
+        )
+        wpb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{self.opts.host}:{self.opts.port}")
+        await self._server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("dualpath.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+        if self.opts.scheduler:
+            await self._register()
+        self.ready = True
+        log.info(
+            "%s worker %s serving on %s (SNIC %s Gbps, KV buffer %d MiB, storage %s)",
+            self.role.value,
+            self.node_id,
+            self.address,
+            spec.storage.snic_gbps or "uncapped",
+            pool.kv_buffer_bytes >> 20,
+            storage,
+        )
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.opts.advertise or f"{self.opts.advertise_host or self.opts.host}:{self.port}"
+
+    async def _register(self) -> None:
+        from dualpath.scheduler.client import NodeAgent, Registration
+
+        spec = self.cfg.spec
+        pool = spec.pool(self.role)
+        snic = spec.storage.snic_gbps * 1e9 / 8 if spec.storage.snic_gbps else 0.0
+        reg = Registration(
+            node_id=self.node_id,
+            role=self.role.value,
+            address=self.address,
+            transfer_address=self.transfer.name,
+            snic_bytes_per_s=snic,
+            prefill_tokens_per_s=float(pool.prefill_tokens_per_s),
+            config_hash=self.cfg.config_hash,
+        )
+        self._agent = NodeAgent(
+            self.opts.scheduler,
+            reg,
+            self.load,
+            interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
+        ).start()
+
+    def load(self) -> spb.NodeLoad:
+        if self.prefill is not None:
+            q, r, n = (
+                self.prefill.load.tokens_queued,
+                self.prefill.load.tokens_running,
+                self.prefill.load.requests_running,
+            )
+        else:
+            q, r, n = (
+                self.decode.tokens_queued,
+                self.decode.tokens_running,
+                self.decode.requests_running,
+            )
+        load = spb.NodeLoad(
+            read_pending_bytes=self.read_queue.pending_bytes,
+            tokens_queued=q,
+            tokens_running=r,
+            requests_running=n,
+            buffer_free_bytes=self.transfer.pool.free_bytes,
+            draining=self.draining,
+        )
+        metrics.LOAD.labels("read_pending_bytes").set(load.read_pending_bytes)
+        metrics.LOAD.labels("tokens_queued").set(q)
+        metrics.LOAD.labels("tokens_running").set(r)
+        metrics.LOAD.labels("buffer_free_bytes").set(load.buffer_free_bytes)
+        return load
+
+    def health(self) -> tuple[bool, str]:
+        if not self.ready:
+            return False, "starting"
+        if self.draining:
+            return False, "draining"
+        return True, f"{self.role.value} {self.node_id} ok"
+
+    # ---- helpers for the roles -------------------------------------------------------------
+
+    def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+        return wpb_grpc.WorkerStub(ch)
+
+    def release(self, regions, clean: bool) -> None:  # noqa: ANN001
+        """Free a request's buffer regions. After a failure a peer's WRITE may still land in
+        them, so they are quarantined for one deadline before reuse."""
+        if clean:
+            for r in regions:
+                self.transfer.pool.free(r)
+            return
+        if regions:
+            loop = asyncio.get_running_loop()
+            pool = self.transfer.pool
+            loop.call_later(self.deadline_s, lambda: [pool.free(r) for r in regions])
+
+    # ---- stop -------------------------------------------------------------------------------
+
+    async def drain_and_stop(self) -> None:
+        """Stop taking requests, let in-flight ones finish (up to the grace), then stop."""
+        self.draining = True
+        if self._agent is not None:
+            try:
+                await self._agent.drain()
+            except grpc.aio.AioRpcError as err:
+                log.warning("could not tell the scheduler we drain: %s", err.code().name)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.opts.grace_s
+        busy = lambda: self.inflight or (self.prefill and self.prefill.load.requests_running)  # noqa: E731
+        while busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if busy():
+            log.warning("stopping with requests in flight after %.1fs grace", self.opts.grace_s)
+        await self.stop()
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._agent is not None:
+            await self._agent.stop()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self.decode is not None:
+            await self.decode.stop()
+        for ch in self._channels.values():
+            await ch.close()
+        if getattr(self, "transfer", None) is not None:
+            await self.transfer.aclose()
+        if getattr(self, "read_queue", None) is not None:
+            self.read_queue.close()
+            self.store.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        log.info("worker %s stopped (pid %d)", self.node_id, os.getpid())

@@ -1,0 +1,231 @@
+"""The prefill role: one request's layer-wise prefill with its hit KV from either path.
+
+`PrefillJob.run()` is what the `Worker.Prefill` RPC streams:
+
+1. it takes two regions of the registered buffer (hit KV, new KV) and tells the decode worker
+   where the hit KV may land (`accepted`);
+2. the hit KV arrives layer by layer: path P from this node's storage read queue, path D as
+   NIXL WRITEs from the decode node (one notification per layer);
+3. the engine computes layer l while layer l+1 arrives; each layer's new K, V is written to the
+   decode node as soon as it is computed (path P also forwards each hit layer: the decode node
+   needs the whole context, DESIGN section 3 step 4);
+4. once every WRITE completed it answers `done` with the last token's logits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dualpath.kv import KVLoadError, block_ids
+from dualpath.transfer.engine import TransferEngine
+from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.worker import metrics
+from dualpath.worker.layout import RequestLayout
+
+log = logging.getLogger(__name__)
+
+PATH_NAMES = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
+
+
+def hit_notif(request_id: str, layer: int) -> bytes:
+    return f"{request_id}/hit/{layer}".encode()
+
+
+def new_notif(request_id: str, layer: int) -> bytes:
+    return f"{request_id}/new/{layer}".encode()
+
+
+class HitUnavailable(RuntimeError):
+    """The hit KV could not be read (bad or vanished blocks): the caller recomputes."""
+
+
+class RemoteHitSource:
+    """Path D on the prefill node: layer l is ready when the decode node's WRITE notifies."""
+
+    def __init__(
+        self,
+        transfer: TransferEngine,
+        peer: str,
+        request_id: str,
+        layout: RequestLayout,
+        region: torch.Tensor,
+        deadline_s: float,
+    ) -> None:
+        self.transfer, self.peer, self.request_id = transfer, peer, request_id
+        self.layout, self.region, self.deadline_s = layout, region, deadline_s
+
+    async def layer(self, l: int):  # noqa: ANN201, E741 (LayerSource contract)
+        await self.transfer.wait_notif(self.peer, hit_notif(self.request_id, l), self.deadline_s)
+        return self.layout.hit_views(self.region, l)
+
+
+@dataclass
+class PrefillLoad:
+    """What the prefill node reports: tokens admitted but not started, and running."""
+
+    tokens_queued: int = 0
+    tokens_running: int = 0
+    requests_running: int = 0
+
+
+class PrefillRole:
+    def __init__(self, node, max_concurrent: int = 4) -> None:  # noqa: ANN001 (WorkerNode)
+        self.node = node
+        self.load = PrefillLoad()
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    async def serve(self, req: wpb.PrefillRequest, context) -> None:  # noqa: ANN001
+        """Stream `accepted` then `done` (see the module docstring); raise on failure."""
+        node = self.node
+        model = node.cfg.spec.model
+        prompt = list(req.prompt_tokens)
+        try:
+            layout = RequestLayout.of(model, int(req.hit_tokens), len(prompt))
+        except ValueError as err:
+            raise ValueError(f"Prefill {req.request_id}: {err}") from None
+        path = PATH_NAMES.get(req.read_path, "prefill") if layout.hit_blocks else "none"
+        transfer: TransferEngine = node.transfer
+        peer = req.decode_agent
+        if not transfer.knows(peer):
+            transfer.add_peer(req.decode_agent_metadata)
+        new_tokens = layout.new_tokens
+        self.load.tokens_queued += new_tokens
+        started = False
+        regions = []
+        handle = None
+        t0 = time.perf_counter()
+        try:
+            async with self._slots:
+                self.load.tokens_queued -= new_tokens
+                self.load.tokens_running += new_tokens
+                self.load.requests_running += 1
+                started = True
+                pool = transfer.pool
+                timeout = node.deadline_s
+                hit_region = (
+                    await pool.alloc_wait(layout.hit_bytes, timeout) if layout.hit_blocks else None
+                )
+                if hit_region is not None:
+                    regions.append(hit_region)
+                new_region = await pool.alloc_wait(layout.new_bytes, timeout)
+                regions.append(new_region)
+                forward: list[asyncio.Task] = []
+                rid = req.request_id
+                if path == "prefill":
+                    ids = block_ids(prompt, model)[: layout.hit_blocks]
+                    handle = node.read_queue.submit(ids, out=hit_region.tensor)
+                    valid = await handle.ready()
+                    if valid < layout.hit_blocks:
+                        raise HitUnavailable(
+                            f"{layout.hit_blocks - valid} of {layout.hit_blocks} hit blocks "
+                            f"unreadable ({', '.join(f.reason for f in handle.failed)})"
+                        )
+                    source = handle
+                    forward = [
+                        asyncio.create_task(
+                            self._forward_hit(handle, layout, hit_region, req, peer, layer)
+                        )
+                        for layer in range(layout.layers)
+                    ]
+                elif path == "decode":
+                    source = RemoteHitSource(
+                        transfer, peer, rid, layout, hit_region.tensor, timeout
+                    )
+                else:
+                    source = None
+                await context.write(
+                    wpb.PrefillMessage(
+                        accepted=wpb.PrefillAccepted(
+                            prefill_agent=transfer.name,
+                            prefill_agent_metadata=transfer.metadata,
+                            prefill_hit=wpb.Region(
+                                address=hit_region.address, length=hit_region.nbytes
+                            )
+                            if hit_region is not None
+                            else None,
+                        )
+                    )
+                )
+                run = node.engine.prefill(prompt[layout.hit_tokens :], layout.hit_tokens, source)
+                writes: list[asyncio.Task] = []
+                try:
+                    async for layer, k, v in run:
+                        layout.put_new(new_region.tensor, layer, k, v)
+                        off = layer * layout.new_layer_bytes
+                        writes.append(
+                            asyncio.create_task(
+                                transfer.write(
+                                    peer,
+                                    new_region.address + off,
+                                    layout.new_layer_bytes,
+                                    req.decode_new.address + off,
+                                    notif=new_notif(rid, layer),
+                                )
+                            )
+                        )
+                    await asyncio.gather(*writes, *forward)
+                except KVLoadError as err:
+                    raise HitUnavailable(str(err)) from None
+                finally:
+                    for t in (*writes, *forward):
+                        if not t.done():
+                            t.cancel()
+                logits = run.logits[-1].float().contiguous()
+                await context.write(
+                    wpb.PrefillMessage(
+                        done=wpb.PrefillDone(
+                            last_logits=logits.numpy().tobytes(),
+                            vocab_size=logits.numel(),
+                            compute_seconds=run.times.compute_s,
+                            wait_seconds=run.times.wait_s,
+                        )
+                    )
+                )
+            metrics.REQUESTS.labels("prefill", path, "ok").inc()
+            metrics.TOKENS.labels("prefill").inc(new_tokens)
+            metrics.PREFILL_SECONDS.labels(path).observe(time.perf_counter() - t0)
+            metrics.PREFILL_WAIT_SECONDS.labels(path).inc(run.times.wait_s)
+            if layout.hit_blocks:
+                metrics.HIT_BYTES.labels(path).inc(layout.hit_bytes)
+            log.debug(
+                "prefill %s: %d new + %d hit tokens via path %s in %.3fs",
+                rid,
+                new_tokens,
+                layout.hit_tokens,
+                path,
+                time.perf_counter() - t0,
+            )
+        except BaseException:
+            metrics.REQUESTS.labels("prefill", path, "error").inc()
+            ok = False
+            raise
+        else:
+            ok = True
+        finally:
+            if started:
+                self.load.tokens_running -= new_tokens
+                self.load.requests_running -= 1
+            else:
+                self.load.tokens_queued -= new_tokens
+            if handle is not None:
+                handle.close()
+            node.release(regions, clean=ok)
+            transfer.discard_notifs(f"{req.request_id}/".encode())
+
+    async def _forward_hit(self, handle, layout, hit_region, req, peer, layer) -> None:  # noqa: ANN001
+        """Path P: once hit layer `layer` is read locally, write it to the decode node."""
+        await handle.layer(layer)
+        off = layer * layout.hit_layer_bytes
+        await self.node.transfer.write(
+            peer,
+            hit_region.address + off,
+            layout.hit_layer_bytes,
+            req.decode_hit.address + off,
+            notif=hit_notif(req.request_id, layer),
+        )
