@@ -24,11 +24,21 @@ def load(pending=0):
 def agents_for(address, prefill=2, decode=2):
     out = []
     for i in range(prefill):
-        out.append(NodeAgent(address, Registration(f"p{i}", "prefill", f"127.0.0.1:{7000 + i}",
-                                                   snic_bytes_per_s=1e9), load()))
+        out.append(
+            NodeAgent(
+                address,
+                Registration(f"p{i}", "prefill", f"127.0.0.1:{7000 + i}", snic_bytes_per_s=1e9),
+                load(),
+            )
+        )
     for i in range(decode):
-        out.append(NodeAgent(address, Registration(f"d{i}", "decode", f"127.0.0.1:{7100 + i}",
-                                                   snic_bytes_per_s=1e9), load()))
+        out.append(
+            NodeAgent(
+                address,
+                Registration(f"d{i}", "decode", f"127.0.0.1:{7100 + i}", snic_bytes_per_s=1e9),
+                load(),
+            )
+        )
     return out
 
 
@@ -56,8 +66,13 @@ async def test_route_drain_and_liveness(server):
     client = SchedulerClient(addr, timeout_s=5)
     try:
         await wait_nodes(client, 4)
-        resp = await client.route(prompt_tokens=1000, hit_tokens=960, hit_bytes=1 << 20,
-                                  context_bytes=1 << 20, max_new_tokens=16)
+        resp = await client.route(
+            prompt_tokens=1000,
+            hit_tokens=960,
+            hit_bytes=1 << 20,
+            context_bytes=1 << 20,
+            max_new_tokens=16,
+        )
         assert resp.request_id and resp.prefill_node.startswith("p")
         assert resp.prefill_address.startswith("127.0.0.1:")
         await client.complete(resp.request_id)
@@ -82,7 +97,8 @@ async def test_route_drain_and_liveness(server):
 
         async with grpc.aio.insecure_channel(addr) as ch:
             h = await health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service="dualpath.v1.Scheduler"), timeout=2)
+                health_pb2.HealthCheckRequest(service="dualpath.v1.Scheduler"), timeout=2
+            )
             assert h.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         for a in agents:
@@ -98,9 +114,20 @@ def free_port():
 
 def start_scheduler(port):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dualpath.cli", "scheduler", "--host", "127.0.0.1",
-         "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
     )
     line = proc.stdout.readline()
     assert line.startswith("READY"), line
@@ -121,8 +148,9 @@ async def test_kill_and_restart_under_load_loses_nothing():
         while not stop.is_set() and i < 2000:
             i += 1
             try:
-                r = await client.route(prompt_tokens=500, hit_tokens=448, hit_bytes=1 << 16,
-                                       max_new_tokens=4)
+                r = await client.route(
+                    prompt_tokens=500, hit_tokens=448, hit_bytes=1 << 16, max_new_tokens=4
+                )
                 routed.append(r.request_id)
                 await client.complete(r.request_id)
             except grpc.aio.AioRpcError as err:

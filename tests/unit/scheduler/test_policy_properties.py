@@ -24,26 +24,30 @@ def nodes(draw, role: str, n_min: int, n_max: int):
     count = draw(st.integers(n_min, n_max))
     out = []
     for i in range(count):
-        out.append(NodeState(
-            node_id=f"{role[0]}{i}", role=role,
-            read_pending_bytes=draw(st.integers(0, int(10 * SNIC))),
-            snic_bytes_per_s=draw(st.sampled_from([0.5e9, 1e9, 5e9])),
-            tokens_queued=draw(st.integers(0, 100_000)),
-            tokens_running=draw(st.integers(0, 50_000)),
-            requests_running=draw(st.integers(0, 64)),
-            buffer_free_bytes=draw(st.integers(0, 1 << 34)),
-            prefill_tokens_per_s=draw(st.sampled_from([5_000.0, 10_000.0, 20_000.0])),
-            group=draw(st.sampled_from(["a", "b", "c"])),
-            healthy=draw(st.booleans()) or draw(st.booleans()),
-            draining=draw(st.integers(0, 4)) == 0,
-        ))
+        out.append(
+            NodeState(
+                node_id=f"{role[0]}{i}",
+                role=role,
+                read_pending_bytes=draw(st.integers(0, int(10 * SNIC))),
+                snic_bytes_per_s=draw(st.sampled_from([0.5e9, 1e9, 5e9])),
+                tokens_queued=draw(st.integers(0, 100_000)),
+                tokens_running=draw(st.integers(0, 50_000)),
+                requests_running=draw(st.integers(0, 64)),
+                buffer_free_bytes=draw(st.integers(0, 1 << 34)),
+                prefill_tokens_per_s=draw(st.sampled_from([5_000.0, 10_000.0, 20_000.0])),
+                group=draw(st.sampled_from(["a", "b", "c"])),
+                healthy=draw(st.booleans()) or draw(st.booleans()),
+                draining=draw(st.integers(0, 4)) == 0,
+            )
+        )
     return out
 
 
 @st.composite
 def views(draw):
     return ClusterView(
-        prefill=draw(nodes("prefill", 0, 8)), decode=draw(nodes("decode", 0, 10)),
+        prefill=draw(nodes("prefill", 0, 8)),
+        decode=draw(nodes("decode", 0, 10)),
         thresholds=Thresholds(draw(st.sampled_from([1.0, 3.0])), draw(st.sampled_from([2.0, 5.0]))),
         cnic_bytes_per_s=draw(st.sampled_from([2e9, 25e9])),
     )
@@ -54,7 +58,11 @@ def requests(draw):
     prompt = draw(st.integers(1, 64_000))
     hit = draw(st.integers(0, prompt))
     return RouteRequest(
-        "r", prompt, hit, hit * 16_384, prompt * 16_384 // draw(st.sampled_from([1, 1000])),
+        "r",
+        prompt,
+        hit,
+        hit * 16_384,
+        prompt * 16_384 // draw(st.sampled_from([1, 1000])),
         draw(st.integers(0, 500)),
     )
 
@@ -133,19 +141,30 @@ def test_waits_when_every_prefill_node_is_overloaded():
 
 
 def test_prefers_short_read_queue_then_fewest_tokens():
-    busy_reader = NodeState("p0", "prefill", read_pending_bytes=int(10 * SNIC), snic_bytes_per_s=SNIC)
+    busy_reader = NodeState(
+        "p0", "prefill", read_pending_bytes=int(10 * SNIC), snic_bytes_per_s=SNIC
+    )
     loaded = NodeState("p1", "prefill", tokens_queued=1000, snic_bytes_per_s=SNIC)
     idle = NodeState("p2", "prefill", tokens_queued=10, snic_bytes_per_s=SNIC)
     view = ClusterView([busy_reader, loaded, idle], [NodeState("d0", "decode")])
-    assert get_policy("dualpath").decide(RouteRequest("r", 1000, 960, 1 << 20), view).prefill_node == "p2"
+    assert (
+        get_policy("dualpath").decide(RouteRequest("r", 1000, 960, 1 << 20), view).prefill_node
+        == "p2"
+    )
     idle.read_pending_bytes = int(10 * SNIC)
-    assert get_policy("dualpath").decide(RouteRequest("r", 1000, 960, 1 << 20), view).prefill_node == "p1"
+    assert (
+        get_policy("dualpath").decide(RouteRequest("r", 1000, 960, 1 << 20), view).prefill_node
+        == "p1"
+    )
 
 
 def test_reads_through_the_idle_decode_snic_and_accounting_spreads_a_burst():
     view = ClusterView(
         [NodeState("p0", "prefill", snic_bytes_per_s=SNIC)],
-        [NodeState("d0", "decode", snic_bytes_per_s=SNIC), NodeState("d1", "decode", snic_bytes_per_s=SNIC)],
+        [
+            NodeState("d0", "decode", snic_bytes_per_s=SNIC),
+            NodeState("d1", "decode", snic_bytes_per_s=SNIC),
+        ],
         cnic_bytes_per_s=25e9,
     )
     policy = get_policy("dualpath")

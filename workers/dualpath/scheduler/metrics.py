@@ -2,9 +2,7 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
-DECISIONS = Counter(
-    "dualpath_scheduler_decisions_total", "Routing decisions", ["policy", "path"]
-)
+DECISIONS = Counter("dualpath_scheduler_decisions_total", "Routing decisions", ["policy", "path"])
 WAITS = Counter(
     "dualpath_scheduler_route_waits_total",
     "Route calls that found no eligible node at first and waited",

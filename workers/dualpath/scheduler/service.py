@@ -28,7 +28,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(
-        self, state: SchedulerState, heartbeat_interval_ms: int, node_timeout_ms: int,
+        self,
+        state: SchedulerState,
+        heartbeat_interval_ms: int,
+        node_timeout_ms: int,
         default_queue_timeout_s: float = 5.0,
     ) -> None:
         self.state = state
@@ -47,14 +50,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id and role are required")
         load = request.load
         state = NodeState(
-            node_id=request.node_id, role=role,
+            node_id=request.node_id,
+            role=role,
             read_pending_bytes=load.read_pending_bytes,
             snic_bytes_per_s=request.snic_bytes_per_s or 1.0e9,
-            tokens_queued=load.tokens_queued, tokens_running=load.tokens_running,
+            tokens_queued=load.tokens_queued,
+            tokens_running=load.tokens_running,
             requests_running=load.requests_running,
             buffer_free_bytes=load.buffer_free_bytes or (1 << 40),
             prefill_tokens_per_s=request.prefill_tokens_per_s or 10_000.0,
-            group=request.group or "default", draining=load.draining,
+            group=request.group or "default",
+            draining=load.draining,
         )
         self.state.register(state, request.address, request.transfer_address, request.config_hash)
         self._notify()
@@ -66,8 +72,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         async for hb in request_iterator:
             ld = hb.load
             known = self.state.heartbeat(
-                hb.node_id, ld.read_pending_bytes, ld.tokens_queued, ld.tokens_running,
-                ld.requests_running, ld.buffer_free_bytes, ld.draining,
+                hb.node_id,
+                ld.read_pending_bytes,
+                ld.tokens_queued,
+                ld.tokens_running,
+                ld.requests_running,
+                ld.buffer_free_bytes,
+                ld.draining,
             )
             if known:
                 m.NODE_READ_PENDING.labels(hb.node_id).set(ld.read_pending_bytes)
@@ -77,17 +88,22 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             yield pb.HeartbeatAck(known=known)
 
     async def Route(self, request, context):  # noqa: N802
-        if request.prompt_tokens <= 0 or request.hit_tokens < 0 or (
-            request.hit_tokens > request.prompt_tokens
+        if (
+            request.prompt_tokens <= 0
+            or request.hit_tokens < 0
+            or (request.hit_tokens > request.prompt_tokens)
         ):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "prompt_tokens must be > 0 and 0 <= hit_tokens <= prompt_tokens",
             )
         rr = RouteRequest(
-            request_id=request.request_id, prompt_tokens=request.prompt_tokens,
-            hit_tokens=request.hit_tokens, hit_bytes=request.hit_bytes,
-            context_bytes=request.context_bytes, max_new_tokens=request.max_new_tokens,
+            request_id=request.request_id,
+            prompt_tokens=request.prompt_tokens,
+            hit_tokens=request.hit_tokens,
+            hit_bytes=request.hit_bytes,
+            context_bytes=request.context_bytes,
+            max_new_tokens=request.max_new_tokens,
             session_id=request.session_id,
         )
         timeout_s = request.queue_timeout_s or self.default_queue_timeout_s
@@ -145,7 +161,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def ClusterView(self, request, context):  # noqa: N802
         now = self.state.clock()
         out = pb.ClusterViewResponse(
-            policy=self.state.policy.name, routed_total=self.state.routed_total,
+            policy=self.state.policy.name,
+            routed_total=self.state.routed_total,
             in_flight=len(self.state.in_flight),
         )
         for rec in self.state.nodes.values():
@@ -153,12 +170,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             out.nodes.add(
                 node_id=s.node_id,
                 role=pb.ROLE_PREFILL if s.role == "prefill" else pb.ROLE_DECODE,
-                address=rec.address, healthy=s.healthy, group=s.group,
+                address=rec.address,
+                healthy=s.healthy,
+                group=s.group,
                 seconds_since_heartbeat=now - rec.last_seen_s,
                 load=pb.NodeLoad(
-                    read_pending_bytes=s.read_pending_bytes, tokens_queued=s.tokens_queued,
-                    tokens_running=s.tokens_running, requests_running=s.requests_running,
-                    buffer_free_bytes=s.buffer_free_bytes, draining=s.draining,
+                    read_pending_bytes=s.read_pending_bytes,
+                    tokens_queued=s.tokens_queued,
+                    tokens_running=s.tokens_running,
+                    requests_running=s.requests_running,
+                    buffer_free_bytes=s.buffer_free_bytes,
+                    draining=s.draining,
                 ),
             )
         return out

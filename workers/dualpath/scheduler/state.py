@@ -72,13 +72,22 @@ class SchedulerState:
         self._rebuild_view()
         log.log(
             logging.INFO if len(self.nodes) <= 64 else logging.DEBUG,
-            "%s %s node %s at %s", "re-registered" if known else "registered",
-            state.role, state.node_id, address,
+            "%s %s node %s at %s",
+            "re-registered" if known else "registered",
+            state.role,
+            state.node_id,
+            address,
         )
 
     def heartbeat(
-        self, node_id: str, read_pending_bytes: int, tokens_queued: int, tokens_running: int,
-        requests_running: int, buffer_free_bytes: int, draining: bool,
+        self,
+        node_id: str,
+        read_pending_bytes: int,
+        tokens_queued: int,
+        tokens_running: int,
+        requests_running: int,
+        buffer_free_bytes: int,
+        draining: bool,
     ) -> bool:
         """Refresh a node's load; False if the node is unknown (it must register again)."""
         rec = self.nodes.get(node_id)
@@ -119,7 +128,8 @@ class SchedulerState:
                 gone.append(node_id)
                 log.warning(
                     "node %s missed heartbeats for %.2fs: out of the pool",
-                    node_id, now - rec.last_seen_s,
+                    node_id,
+                    now - rec.last_seen_s,
                 )
         return gone
 

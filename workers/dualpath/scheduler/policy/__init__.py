@@ -1,8 +1,8 @@
 """Scheduling policy: pure, synchronous, no I/O. One code path for service, local cluster, sim.
 
-    policy = get_policy("dualpath")
-    decision = policy.decide(request, view)   # None: no node can take it now, re-offer later
-    account(view, request, decision)          # what the caller does until the next heartbeat
+policy = get_policy("dualpath")
+decision = policy.decide(request, view)   # None: no node can take it now, re-offer later
+account(view, request, decision)          # what the caller does until the next heartbeat
 """
 
 from __future__ import annotations
@@ -60,6 +60,15 @@ def account(view: ClusterView, request: RouteRequest, decision: Decision) -> Non
 
 
 __all__ = [
-    "POLICY_NAMES", "ClusterView", "Decision", "NodeState", "Policy", "ReadPath",
-    "RouteRequest", "Thresholds", "account", "get_policy", "thresholds_from_spec",
+    "POLICY_NAMES",
+    "ClusterView",
+    "Decision",
+    "NodeState",
+    "Policy",
+    "ReadPath",
+    "RouteRequest",
+    "Thresholds",
+    "account",
+    "get_policy",
+    "thresholds_from_spec",
 ]

@@ -67,7 +67,8 @@ class RoundRobinPolicy:
     def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
         ps = [n for n in view.prefill if n.healthy and not n.draining]
         ds = [
-            n for n in view.decode
+            n
+            for n in view.decode
             if n.healthy and not n.draining and n.buffer_free_bytes >= request.context_bytes
         ]
         if not ps or not ds:
