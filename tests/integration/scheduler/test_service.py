@@ -15,6 +15,7 @@ from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.v1 import scheduler_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 
 def load(pending=0):
@@ -183,3 +184,56 @@ async def test_kill_and_restart_under_load_loses_nothing():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=5)
+
+
+def versioned_agent(address, node_id, role, config_hash, port):
+    reg = Registration(
+        node_id, role, f"127.0.0.1:{port}", snic_bytes_per_s=1e9, config_hash=config_hash
+    )
+    return NodeAgent(address, reg, load())
+
+
+def unpaired_total():
+    return REGISTRY.get_sample_value("dualpath_scheduler_route_unpaired_total") or 0.0
+
+
+async def route_pair(client):
+    r = await client.route(prompt_tokens=1000, hit_tokens=960, hit_bytes=1 << 20, max_new_tokens=8)
+    await client.complete(r.request_id)
+    return r.prefill_node, r.decode_node
+
+
+async def test_two_config_hashes_never_pair(server):
+    addr = f"127.0.0.1:{server.port}"
+    client = SchedulerClient(addr, timeout_s=5)
+    agents = [
+        versioned_agent(addr, "p-v1", "prefill", "v1", 7200).start(),
+        versioned_agent(addr, "d-v2", "decode", "v2", 7300).start(),
+    ]
+    try:
+        view = await wait_nodes(client, 2)
+        assert {n.node_id: n.config_hash for n in view.nodes} == {"p-v1": "v1", "d-v2": "v2"}
+        before = unpaired_total()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.route(prompt_tokens=100, hit_tokens=64, hit_bytes=1, queue_timeout_s=0.2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "share a config hash (prefill: v1; decode: v2)" in err.value.details()
+        assert unpaired_total() == before + 1
+
+        # Each version gets its other half: both pairs serve, never a mixed one.
+        agents.append(versioned_agent(addr, "d-v1", "decode", "v1", 7301).start())
+        agents.append(versioned_agent(addr, "p-v2", "prefill", "v2", 7201).start())
+        await wait_nodes(client, 4)
+        pairs = {await route_pair(client) for _ in range(20)}
+        assert pairs <= {("p-v1", "d-v1"), ("p-v2", "d-v2")}, pairs
+        assert await client.drain("p-v1")  # old version drains: the new pair takes everything
+        assert {await route_pair(client) for _ in range(10)} == {("p-v2", "d-v2")}
+        assert await client.drain("d-v2")  # new decode gone too: v2 prefill and v1 decode left
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.route(prompt_tokens=100, hit_tokens=64, hit_bytes=1, queue_timeout_s=0.2)
+        assert "config hash" in err.value.details()
+        assert unpaired_total() == before + 2
+    finally:
+        for a in agents:
+            await a.stop()
+        await client.close()

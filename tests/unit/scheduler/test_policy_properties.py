@@ -1,4 +1,8 @@
-"""Properties every policy keeps over random cluster views (hypothesis)."""
+"""Properties every policy keeps over random cluster views (hypothesis).
+
+Views mix config hashes ("" included, as local runs register without one), so every property
+also runs over rollouts where some versions have no full prefill/decode pair.
+"""
 
 import copy
 
@@ -12,7 +16,11 @@ from dualpath.scheduler.policy import (
     account,
     get_policy,
 )
-from dualpath.scheduler.policy.inter_node import is_overloaded, path_finish_s
+from dualpath.scheduler.policy.inter_node import (
+    has_short_read_queue,
+    is_overloaded,
+    path_finish_s,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +28,7 @@ SNIC = 1.0e9
 
 
 @st.composite
-def nodes(draw, role: str, n_min: int, n_max: int):
+def nodes(draw, role: str, n_min: int, n_max: int, hashes=("",)):
     count = draw(st.integers(n_min, n_max))
     out = []
     for i in range(count):
@@ -36,6 +44,7 @@ def nodes(draw, role: str, n_min: int, n_max: int):
                 buffer_free_bytes=draw(st.integers(0, 1 << 34)),
                 prefill_tokens_per_s=draw(st.sampled_from([5_000.0, 10_000.0, 20_000.0])),
                 group=draw(st.sampled_from(["a", "b", "c"])),
+                config_hash=draw(st.sampled_from(hashes)),
                 healthy=draw(st.booleans()) or draw(st.booleans()),
                 draining=draw(st.integers(0, 4)) == 0,
             )
@@ -43,11 +52,16 @@ def nodes(draw, role: str, n_min: int, n_max: int):
     return out
 
 
+# One version, a rollout of two, a messy three (one of them the empty local hash).
+HASH_SETS = [("",), ("v1", "v2"), ("", "v1", "v2")]
+
+
 @st.composite
 def views(draw):
+    hashes = draw(st.sampled_from(HASH_SETS))
     return ClusterView(
-        prefill=draw(nodes("prefill", 0, 8)),
-        decode=draw(nodes("decode", 0, 10)),
+        prefill=draw(nodes("prefill", 0, 8, hashes)),
+        decode=draw(nodes("decode", 0, 10, hashes)),
         thresholds=Thresholds(draw(st.sampled_from([1.0, 3.0])), draw(st.sampled_from([2.0, 5.0]))),
         cnic_bytes_per_s=draw(st.sampled_from([2e9, 25e9])),
     )
@@ -82,6 +96,63 @@ def test_never_an_unavailable_node(view, request, name):
     assert p.role == "prefill" and dn.role == "decode"
     assert p.healthy and not p.draining and dn.healthy and not dn.draining
     assert dn.buffer_free_bytes >= request.context_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), request=requests(), name=st.sampled_from(POLICY_NAMES))
+def test_never_a_pair_of_different_config_hashes(view, request, name):
+    d = get_policy(name).decide(request, view)
+    if d is None:
+        return
+    nodes = _by_id(view)
+    assert nodes[d.prefill_node].config_hash == nodes[d.decode_node].config_hash
+
+
+def _available(n):
+    return n.healthy and not n.draining
+
+
+def _pairable_prefill(view, request, load_aware):
+    """Prefill nodes the policy may choose: available (and, load-aware, not overloaded), with an
+    available decode engine of the same hash that has room for the context."""
+    hashes = {
+        d.config_hash
+        for d in view.decode
+        if _available(d) and d.buffer_free_bytes >= request.context_bytes
+    }
+    return [
+        p
+        for p in view.prefill
+        if _available(p)
+        and p.config_hash in hashes
+        and not (load_aware and is_overloaded(p, view.thresholds))
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), request=requests(), name=st.sampled_from(POLICY_NAMES))
+def test_a_matching_pair_means_a_decision(view, request, name):
+    d = get_policy(name).decide(request, view)
+    if _pairable_prefill(view, request, load_aware=name != "round-robin"):
+        assert d is not None
+    else:
+        assert d is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), request=requests())
+def test_prefill_choice_is_the_best_node_that_has_a_pair(view, request):
+    # Across config pools the paper's order holds: short read queue first, then fewest tokens.
+    d = get_policy("dualpath").decide(request, view)
+    if d is None:
+        return
+    t = view.thresholds
+
+    def key(n):
+        return (not has_short_read_queue(n, t), n.tokens)
+
+    chosen = _by_id(view)[d.prefill_node]
+    assert all(key(chosen) <= key(q) for q in _pairable_prefill(view, request, True))
 
 
 @settings(max_examples=300, deadline=None)

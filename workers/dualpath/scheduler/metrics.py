@@ -10,6 +10,10 @@ WAITS = Counter(
 REFUSED = Counter(
     "dualpath_scheduler_route_refused_total", "Route calls refused after their queue timeout"
 )
+UNPAIRED = Counter(
+    "dualpath_scheduler_route_unpaired_total",
+    "Route calls refused because no available prefill and decode node share a config hash",
+)
 DECISION_LATENCY = Histogram(
     "dualpath_scheduler_decision_seconds",
     "Policy decision latency (in process)",

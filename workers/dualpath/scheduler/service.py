@@ -121,10 +121,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             left = deadline - time.monotonic()
             if left <= 0:
                 m.REFUSED.inc()
+                unpaired, why = self.state.refusal()
+                if unpaired:
+                    m.UNPAIRED.inc()
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no prefill/decode node can take the request within {timeout_s:.1f}s "
-                    "(all overloaded, draining or unhealthy)",
+                    f"no prefill/decode node can take the request within {timeout_s:.1f}s ({why})",
                 )
             if not waited:
                 m.WAITS.inc()
@@ -173,6 +175,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 address=rec.address,
                 healthy=s.healthy,
                 group=s.group,
+                config_hash=s.config_hash,
                 seconds_since_heartbeat=now - rec.last_seen_s,
                 load=pb.NodeLoad(
                     read_pending_bytes=s.read_pending_bytes,

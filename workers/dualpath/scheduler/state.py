@@ -20,9 +20,14 @@ from dualpath.scheduler.policy import (
     RouteRequest,
     Thresholds,
     account,
+    config_mismatch,
 )
 
 log = logging.getLogger(__name__)
+
+
+# Seconds between warnings about requests refused for want of a pair (each carries the count).
+UNPAIRED_LOG_INTERVAL_S = 5.0
 
 
 @dataclass(slots=True)
@@ -30,8 +35,11 @@ class NodeRecord:
     state: NodeState
     address: str
     transfer_address: str
-    config_hash: str
     last_seen_s: float
+
+    @property
+    def config_hash(self) -> str:
+        return self.state.config_hash
 
 
 @dataclass(slots=True)
@@ -58,7 +66,11 @@ class SchedulerState:
         self.in_flight: dict[str, InFlight] = {}
         self.routed_total = 0
         self.drained: set[str] = set()  # drained through the API: sticky over heartbeats
+        self.refused_unpaired_total = 0
         self._ids = itertools.count(1)
+        self._hash_seq = itertools.count()
+        self._unpaired_logged_s = -float("inf")
+        self._unpaired_since_log = 0
 
     # -- membership ---------------------------------------------------------------------
     def register(
@@ -66,18 +78,32 @@ class SchedulerState:
     ) -> None:
         known = state.node_id in self.nodes
         state.draining = state.draining or state.node_id in self.drained
-        self.nodes[state.node_id] = NodeRecord(
-            state, address, transfer_address, config_hash, self.clock()
-        )
+        if config_hash:
+            state.config_hash = config_hash
+        seq = self.view.config_hash_seq
+        if state.config_hash not in seq:
+            seq[state.config_hash] = next(self._hash_seq)  # newest hash: ties go to it
+        self.nodes[state.node_id] = NodeRecord(state, address, transfer_address, self.clock())
         self._rebuild_view()
+        level = logging.INFO if len(self.nodes) <= 64 else logging.DEBUG
         log.log(
-            logging.INFO if len(self.nodes) <= 64 else logging.DEBUG,
-            "%s %s node %s at %s",
+            level,
+            "%s %s node %s at %s (config %s)",
             "re-registered" if known else "registered",
             state.role,
             state.node_id,
             address,
+            state.config_hash or "-",
         )
+        pool = next(p for p in self.view.pools() if p.config_hash == state.config_hash)
+        if not pool.prefill or not pool.decode:
+            log.log(
+                level,
+                "config %s has no %s node yet: its %s nodes take no requests until one registers",
+                state.config_hash or "-",
+                "decode" if pool.prefill else "prefill",
+                state.role,
+            )
 
     def heartbeat(
         self,
@@ -152,3 +178,23 @@ class SchedulerState:
 
     def complete(self, request_id: str) -> InFlight | None:
         return self.in_flight.pop(request_id, None)
+
+    def refusal(self) -> tuple[bool, str]:
+        """Why a request found no node: (no prefill/decode pair shares a config hash, message).
+
+        Counted and logged (at most one line per UNPAIRED_LOG_INTERVAL_S, with the count) when
+        the cause is a missing pair: a rollout stuck half-way is a bug to show, not a wait.
+        """
+        gap = config_mismatch(self.view)
+        if gap is None:
+            return False, "all overloaded, without room, draining or unhealthy"
+        pre, dec = (", ".join(h or "-" for h in hs) for hs in gap)
+        msg = f"no prefill and decode node share a config hash (prefill: {pre}; decode: {dec})"
+        self.refused_unpaired_total += 1
+        self._unpaired_since_log += 1
+        now = self.clock()
+        if now - self._unpaired_logged_s >= UNPAIRED_LOG_INTERVAL_S:
+            log.warning("refused %d request(s): %s", self._unpaired_since_log, msg)
+            self._unpaired_logged_s = now
+            self._unpaired_since_log = 0
+        return True, msg

@@ -156,7 +156,7 @@ class ClusterViewRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "healthy", "load", "seconds_since_heartbeat", "group")
+    __slots__ = ("node_id", "role", "address", "healthy", "load", "seconds_since_heartbeat", "group", "config_hash")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class NodeInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     address: str
@@ -171,7 +172,8 @@ class NodeInfo(_message.Message):
     load: NodeLoad
     seconds_since_heartbeat: float
     group: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., group: _Optional[str] = ...) -> None: ...
+    config_hash: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., group: _Optional[str] = ..., config_hash: _Optional[str] = ...) -> None: ...
 
 class ClusterViewResponse(_message.Message):
     __slots__ = ("nodes", "policy", "routed_total", "in_flight")

@@ -1,15 +1,20 @@
 """Scheduling policy: pure, synchronous, no I/O. One code path for service, local cluster, sim.
 
-policy = get_policy("dualpath")
-decision = policy.decide(request, view)   # None: no node can take it now, re-offer later
-account(view, request, decision)          # what the caller does until the next heartbeat
+    policy = get_policy("dualpath")
+    decision = policy.decide(request, view)   # None: no node can take it now, re-offer later
+    account(view, request, decision)          # what the caller does until the next heartbeat
+
+A prefill node pairs only with a decode node of its own config hash (`ClusterView.pools()`,
+`pick_pair`); after a None, `config_mismatch(view)` tells load apart from a missing pair.
 """
 
 from __future__ import annotations
 
+from dualpath.scheduler.policy.inter_node import config_mismatch, pick_pair
 from dualpath.scheduler.policy.policies import DualPathPolicy, FixedPathPolicy, RoundRobinPolicy
 from dualpath.scheduler.policy.types import (
     ClusterView,
+    ConfigPool,
     Decision,
     NodeState,
     Policy,
@@ -46,8 +51,7 @@ def account(view: ClusterView, request: RouteRequest, decision: Decision) -> Non
 
     Without this a burst between two heartbeats would all go to the same least-loaded node.
     """
-    by_id = {n.node_id: n for n in (*view.prefill, *view.decode)}
-    p, d = by_id.get(decision.prefill_node), by_id.get(decision.decode_node)
+    p, d = view.node(decision.prefill_node), view.node(decision.decode_node)
     reader = d if decision.read_path is ReadPath.DECODE else p
     if reader is not None:
         reader.read_pending_bytes += request.hit_bytes
@@ -62,6 +66,7 @@ def account(view: ClusterView, request: RouteRequest, decision: Decision) -> Non
 __all__ = [
     "POLICY_NAMES",
     "ClusterView",
+    "ConfigPool",
     "Decision",
     "NodeState",
     "Policy",
@@ -69,6 +74,8 @@ __all__ = [
     "RouteRequest",
     "Thresholds",
     "account",
+    "config_mismatch",
     "get_policy",
+    "pick_pair",
     "thresholds_from_spec",
 ]

@@ -1,11 +1,13 @@
 """The paper's inter-node scheduling (arXiv 2602.21548, DESIGN section 4), as pure functions.
 
-Three choices per request, each over the nodes that are healthy and not draining:
+Three choices per request, each over the nodes that are healthy and not draining and, for the
+pair, of one config hash (`pick_pair`; DESIGN section 9: versions never pair):
 - prefill node: skip overloaded nodes (more than beta seconds of queued prefill tokens); among
   the rest prefer a short read queue (less than alpha seconds of SNIC reading pending); ties by
   fewest tokens. No non-overloaded node: wait (None), the caller re-offers the request.
 - decode node: phase 1 the group with fewest tokens; phase 2 within it the engines with buffer
   room for the whole context, preferring tok + len <= Z (fewest requests), else fewest tokens.
+  A least-loaded group without room gives way to the least-loaded group with room.
 - read path: the side whose read queue reads this request's hit bytes first. Path D also
   streams the hit bytes decode -> prefill over the compute NIC; the stream is pipelined with the
   reads layer by layer, so path D finishes at max(read, stream).
@@ -33,26 +35,71 @@ def has_short_read_queue(node: NodeState, t: Thresholds) -> bool:
     return node.read_pending_bytes < node.snic_bytes_per_s * t.short_read_queue_s
 
 
-def pick_prefill(view: ClusterView) -> NodeState | None:
-    # Hot path: one pass, plain comparisons, no per-node allocation.
-    t = view.thresholds
+def pick_pair(request: RouteRequest, view: ClusterView) -> tuple[NodeState, NodeState] | None:
+    """The (prefill, decode) pair of every load-aware policy; both of one config hash. None: wait.
+
+    Each config pool's best prefill node competes by the paper's rule (short read queue first,
+    then fewest tokens, then shorter read queue); equal ones go to the newest hash. The winner's
+    pool must have a decode engine with room, else the next pool's best tries. So a rollout is
+    load-balanced over every version that has a full pair, never mixes two, and a version with
+    only prefill (or only decode) nodes up gets nothing yet.
+    """
+    pools = view.pools()
+    if len(pools) == 1:  # the common case: one config, no rollout in progress
+        pool = pools[0]
+        c = _best_prefill(pool.prefill_limits)
+        if c is None:
+            return None
+        d = pick_decode(request, pool.decode_groups)
+        return None if d is None else (c[0], d)
+    ranked = []
+    for rank, pool in enumerate(pools):  # newest first
+        if not pool.decode:
+            continue
+        c = _best_prefill(pool.prefill_limits)
+        if c is not None:
+            p, short, tok = c
+            ranked.append(((not short, tok, p.read_pending_bytes, rank), p, pool))
+    ranked.sort(key=lambda r: r[0])
+    for _, p, pool in ranked:
+        d = pick_decode(request, pool.decode_groups)
+        if d is not None:
+            return p, d
+    return None
+
+
+def pick_prefill(nodes: list[NodeState], t: Thresholds) -> NodeState | None:
+    """The paper's prefill choice over `nodes` (one config pool); None: all overloaded."""
     beta_s, alpha_s = t.overloaded_prefill_s, t.short_read_queue_s
+    c = _best_prefill(
+        [(n, n.prefill_tokens_per_s * beta_s, n.snic_bytes_per_s * alpha_s) for n in nodes]
+    )
+    return None if c is None else c[0]
+
+
+def _best_prefill(
+    limits: list[tuple[NodeState, float, float]],
+) -> tuple[NodeState, bool, int] | None:
+    """(node, has a short read queue, tokens) of the best non-overloaded node, or None."""
+    # Hot path: one pass, plain comparisons, no per-node allocation.
     short: NodeState | None = None
     short_tok = 0
     long: NodeState | None = None
     long_tok = 0
-    for n in view.prefill:
+    for n, max_tok, short_bytes in limits:
         if not n.healthy or n.draining:
             continue
         tok = n.tokens_queued + n.tokens_running
-        if tok > n.prefill_tokens_per_s * beta_s:
+        if tok > max_tok:
             continue  # overloaded
-        if n.read_pending_bytes < n.snic_bytes_per_s * alpha_s:
+        if n.read_pending_bytes < short_bytes:
             if short is None or tok < short_tok or (tok == short_tok and _before(n, short)):
                 short, short_tok = n, tok
         elif long is None or tok < long_tok or (tok == long_tok and _before(n, long)):
             long, long_tok = n, tok
-    return short if short is not None else long
+    if short is not None:
+        return short, True, short_tok
+    return None if long is None else (long, False, long_tok)
 
 
 def _before(a: NodeState, b: NodeState) -> bool:
@@ -62,20 +109,47 @@ def _before(a: NodeState, b: NodeState) -> bool:
     return a.node_id < b.node_id
 
 
-def pick_decode(request: RouteRequest, view: ClusterView) -> NodeState | None:
+def pick_decode(
+    request: RouteRequest, groups: list[tuple[str, list[NodeState]]]
+) -> NodeState | None:
+    """The paper's decode choice over one config pool's groups; None: no engine has room."""
     # Phase 1: the group with the fewest tokens (over its available engines).
-    group, group_tok, group_n, engines = None, 0, 0, None
-    for g, members in view.decode_groups().items():
+    group_tok, group_n, engines = 0, 0, None
+    for _, members in groups:  # sorted by name: the first of equal groups wins
         tok = 0
         cnt = 0
         for n in members:
             if n.healthy and not n.draining:
                 tok += n.tokens_queued + n.tokens_running
                 cnt += 1
-        if cnt and (group is None or tok < group_tok or (tok == group_tok and g < group)):
-            group, group_tok, group_n, engines = g, tok, cnt, members
+        if cnt and (engines is None or tok < group_tok):
+            group_tok, group_n, engines = tok, cnt, members
     if engines is None:
         return None
+    d = _pick_engine(request, engines, group_tok, group_n)
+    if d is not None:
+        return d
+    # The paper's group would queue the request until memory frees up; a router has no such
+    # queue, so the least-loaded group that has an engine with room for the context takes it.
+    need = request.context_bytes
+    best = None
+    for _, members in groups:
+        tok = 0
+        cnt = 0
+        room = False
+        for n in members:
+            if n.healthy and not n.draining:
+                tok += n.tokens_queued + n.tokens_running
+                cnt += 1
+                room = room or n.buffer_free_bytes >= need
+        if room and (best is None or tok < best[0]):
+            best = (tok, cnt, members)
+    return None if best is None else _pick_engine(request, best[2], best[0], best[1])
+
+
+def _pick_engine(
+    request: RouteRequest, engines: list[NodeState], group_tok: int, group_n: int
+) -> NodeState | None:
     # Phase 2: engines with room; threshold Z balances tokens across the group's engines.
     length = request.prompt_tokens + request.max_new_tokens
     z = DECODE_BALANCE_SLACK * (length + group_tok) / group_n
@@ -101,6 +175,25 @@ def pick_decode(request: RouteRequest, view: ClusterView) -> NodeState | None:
     return fit if fit is not None else room
 
 
+def config_mismatch(view: ClusterView) -> tuple[list[str], list[str]] | None:
+    """(prefill hashes, decode hashes) when available prefill and decode nodes exist but no
+    config hash has both; None otherwise (nothing available, or a pair exists and the wait is
+    load). Not on the hot path: callers ask after a request found no node.
+    """
+    pre: list[str] = []
+    dec: list[str] = []
+    for pool in view.pools():
+        has_p = any(n.healthy and not n.draining for n in pool.prefill)
+        has_d = any(n.healthy and not n.draining for n in pool.decode)
+        if has_p and has_d:
+            return None
+        if has_p:
+            pre.append(pool.config_hash)
+        if has_d:
+            dec.append(pool.config_hash)
+    return (pre, dec) if pre and dec else None
+
+
 def read_finish_s(request: RouteRequest, node: NodeState) -> float:
     """Seconds until `node`'s read queue has read this request's hit bytes (0: none)."""
     if request.hit_bytes <= 0:
@@ -112,9 +205,15 @@ def path_finish_s(
     request: RouteRequest, prefill: NodeState, decode: NodeState, view: ClusterView
 ) -> tuple[float, float]:
     """(path P finish, path D finish) estimates for this request on this pair."""
-    via_p = read_finish_s(request, prefill)
-    stream_s = request.hit_bytes / view.cnic_bytes_per_s if view.cnic_bytes_per_s > 0 else 0.0
-    via_d = max(read_finish_s(request, decode), stream_s)
+    hit = request.hit_bytes
+    if hit <= 0:
+        return 0.0, 0.0
+    # read_finish_s of each side, inlined: this runs once per decision.
+    via_p = (prefill.read_pending_bytes + hit) / prefill.snic_bytes_per_s
+    via_d = (decode.read_pending_bytes + hit) / decode.snic_bytes_per_s
+    cnic = view.cnic_bytes_per_s
+    if cnic > 0 and hit / cnic > via_d:
+        via_d = hit / cnic
     return via_p, via_d
 
 

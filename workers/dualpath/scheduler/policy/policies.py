@@ -1,28 +1,21 @@
 """Scheduling policies: small classes behind one interface, selected by name.
 
 `dualpath` is the paper's policy; `prefill-read` (today's systems), `decode-read` and
-`round-robin` are the baselines. The node choice of the first three is the same code, so a
-comparison isolates the read path.
+`round-robin` are the baselines. The node choice of the first three is the same code
+(`inter_node.pick_pair`), so a comparison isolates the read path. Every policy draws its
+prefill and decode node from one config pool (`ClusterView.pools()`), so versions never pair.
 """
 
 from __future__ import annotations
 
-from dualpath.scheduler.policy.inter_node import (
-    path_finish_s,
-    pick_decode,
-    pick_path,
-    pick_prefill,
+from dualpath.scheduler.policy.inter_node import path_finish_s, pick_pair, pick_path
+from dualpath.scheduler.policy.types import (
+    ClusterView,
+    Decision,
+    NodeState,
+    ReadPath,
+    RouteRequest,
 )
-from dualpath.scheduler.policy.types import ClusterView, Decision, ReadPath, RouteRequest
-
-
-def _pair(request: RouteRequest, view: ClusterView):
-    """The paper's (prefill, decode) choice shared by every load-aware policy; None: wait."""
-    p = pick_prefill(view)
-    if p is None:
-        return None
-    d = pick_decode(request, view)
-    return None if d is None else (p, d)
 
 
 class DualPathPolicy:
@@ -31,7 +24,7 @@ class DualPathPolicy:
     name = "dualpath"
 
     def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
-        pair = _pair(request, view)
+        pair = pick_pair(request, view)
         if pair is None:
             return None
         p, d = pair
@@ -47,7 +40,7 @@ class FixedPathPolicy:
         self.path = path
 
     def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
-        pair = _pair(request, view)
+        pair = pick_pair(request, view)
         if pair is None:
             return None
         p, d = pair
@@ -65,17 +58,23 @@ class RoundRobinPolicy:
         self._n = 0
 
     def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
-        ps = [n for n in view.prefill if n.healthy and not n.draining]
-        ds = [
-            n
-            for n in view.decode
-            if n.healthy and not n.draining and n.buffer_free_bytes >= request.context_bytes
-        ]
-        if not ps or not ds:
+        # Prefill nodes in turn over the pools that have a decode engine with room, then that
+        # pool's engines in turn (one pool: the plain round robin).
+        pairs: list[tuple[NodeState, list[NodeState]]] = []
+        for pool in view.pools():
+            ds = [
+                n
+                for n in pool.decode
+                if n.healthy and not n.draining and n.buffer_free_bytes >= request.context_bytes
+            ]
+            if ds:
+                pairs.extend((n, ds) for n in pool.prefill if n.healthy and not n.draining)
+        if not pairs:
             return None
         k = self._n
         self._n += 1
-        p, d = ps[k % len(ps)], ds[k % len(ds)]
+        p, ds = pairs[k % len(pairs)]
+        d = ds[k % len(ds)]
         path = ReadPath.DECODE if k % 2 else ReadPath.PREFILL
         via_p, via_d = path_finish_s(request, p, d, view)
         chosen, other = (via_p, via_d) if path is ReadPath.PREFILL else (via_d, via_p)

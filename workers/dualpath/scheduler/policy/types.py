@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class ReadPath(str, Enum):
@@ -37,6 +37,9 @@ class NodeState:
     prefill_tokens_per_s: float = 10_000.0
     # Decode engines are grouped (e.g. one group per decode pod set); phase 1 picks a group.
     group: str = "default"
+    # Hash of the node's rendered config: prefill and decode nodes pair only within one hash,
+    # so a rollout never mixes versions (DESIGN section 9). "" (local runs) pairs with "".
+    config_hash: str = ""
     healthy: bool = True
     draining: bool = False
 
@@ -49,12 +52,26 @@ class NodeState:
         return self.healthy and not self.draining
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Thresholds:
     """The paper's alpha and beta, in seconds of the node's own bandwidth / throughput."""
 
     short_read_queue_s: float = 3.0  # alpha: read queue "short" under this many s of SNIC reading
     overloaded_prefill_s: float = 5.0  # beta: prefill "overloaded" above this many s of tokens
+
+
+@dataclass(slots=True)
+class ConfigPool:
+    """The nodes of one config hash: only they pair with each other. Built per membership change."""
+
+    config_hash: str
+    prefill: list[NodeState]
+    decode: list[NodeState]
+    # Decode engines by group, sorted by group name (phase 1 of the decode choice).
+    decode_groups: list[tuple[str, list[NodeState]]]
+    # (node, overloaded above these tokens, short read queue under these bytes): the node's
+    # beta and alpha in its own units, computed once per membership change, not per decision.
+    prefill_limits: list[tuple[NodeState, float, float]]
 
 
 @dataclass(slots=True)
@@ -66,20 +83,65 @@ class ClusterView:
     thresholds: Thresholds = field(default_factory=Thresholds)
     # Path D's extra hop: decode buffer -> prefill over the compute NIC (kv traffic class).
     cnic_bytes_per_s: float = 25.0e9
-    # Decode engines by group, built lazily; call `membership_changed()` after adding or
-    # removing nodes (health and draining are read per decision, not cached).
-    _decode_groups: dict[str, list[NodeState]] | None = None
+    # Order in which config hashes were first registered (higher: newer); equal loads go to the
+    # newest hash. Hashes missing here rank by their first appearance in prefill + decode.
+    config_hash_seq: dict[str, int] = field(default_factory=dict)
+    # Nodes grouped by config hash, then decode group; built lazily. Call `membership_changed()`
+    # after adding or removing nodes or changing a node's hash, group, SNIC bandwidth or prefill
+    # throughput (health, draining and load are read per decision, never cached).
+    _pools: list[ConfigPool] | None = None
+    _pools_thresholds: Thresholds | None = None
+    _by_id: dict[str, NodeState] | None = None
 
-    def decode_groups(self) -> dict[str, list[NodeState]]:
-        if self._decode_groups is None:
-            groups: dict[str, list[NodeState]] = {}
-            for n in self.decode:
-                groups.setdefault(n.group, []).append(n)
-            self._decode_groups = groups
-        return self._decode_groups
+    def pools(self) -> list[ConfigPool]:
+        """One pool per config hash, newest first."""
+        if self._pools is None or self._pools_thresholds is not self.thresholds:
+            self._pools = _build_pools(
+                self.prefill, self.decode, self.config_hash_seq, self.thresholds
+            )
+            self._pools_thresholds = self.thresholds
+        return self._pools
+
+    def node(self, node_id: str) -> NodeState | None:
+        if self._by_id is None:
+            self._by_id = {n.node_id: n for n in (*self.prefill, *self.decode)}
+        return self._by_id.get(node_id)
 
     def membership_changed(self) -> None:
-        self._decode_groups = None
+        self._pools = None
+        self._by_id = None
+
+
+def _build_pools(
+    prefill: list[NodeState], decode: list[NodeState], seq: dict[str, int], t: Thresholds
+) -> list[ConfigPool]:
+    by_hash: dict[str, ConfigPool] = {}
+    for nodes, is_prefill in ((prefill, True), (decode, False)):
+        for n in nodes:
+            pool = by_hash.get(n.config_hash)
+            if pool is None:
+                pool = by_hash[n.config_hash] = ConfigPool(n.config_hash, [], [], [], [])
+            (pool.prefill if is_prefill else pool.decode).append(n)
+    first_seen = {h: i for i, h in enumerate(by_hash)}
+    pools = sorted(
+        by_hash.values(),
+        key=lambda p: (seq.get(p.config_hash, -1), first_seen[p.config_hash]),
+        reverse=True,
+    )
+    for pool in pools:
+        groups: dict[str, list[NodeState]] = {}
+        for n in pool.decode:
+            groups.setdefault(n.group, []).append(n)
+        pool.decode_groups = sorted(groups.items())
+        pool.prefill_limits = [
+            (
+                n,
+                n.prefill_tokens_per_s * t.overloaded_prefill_s,
+                n.snic_bytes_per_s * t.short_read_queue_s,
+            )
+            for n in pool.prefill
+        ]
+    return pools
 
 
 @dataclass(slots=True)
@@ -99,8 +161,10 @@ class RouteRequest:
         return self.prompt_tokens - self.hit_tokens
 
 
-@dataclass(slots=True, frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """Immutable; a named tuple because it is built once per decision (a frozen dataclass's
+    `__init__` costs about 1 us of the ~15 us budget)."""
+
     request_id: str
     prefill_node: str
     decode_node: str
