@@ -25,16 +25,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def random_view(n_prefill: int, n_decode: int, rng: random.Random) -> ClusterView:
     snic = 50e9  # 400 Gbps
     prefill = [
-        NodeState(f"p{i}", "prefill", read_pending_bytes=rng.randrange(0, int(6 * snic)),
-                  snic_bytes_per_s=snic, tokens_queued=rng.randrange(0, 60_000),
-                  prefill_tokens_per_s=10_000.0)
+        NodeState(
+            f"p{i}",
+            "prefill",
+            read_pending_bytes=rng.randrange(0, int(6 * snic)),
+            snic_bytes_per_s=snic,
+            tokens_queued=rng.randrange(0, 60_000),
+            prefill_tokens_per_s=10_000.0,
+        )
         for i in range(n_prefill)
     ]
     decode = [
-        NodeState(f"d{i}", "decode", read_pending_bytes=rng.randrange(0, int(6 * snic)),
-                  snic_bytes_per_s=snic, tokens_running=rng.randrange(0, 500_000),
-                  requests_running=rng.randrange(0, 64), buffer_free_bytes=rng.randrange(1 << 30, 1 << 36),
-                  group=f"g{i // 8}")
+        NodeState(
+            f"d{i}",
+            "decode",
+            read_pending_bytes=rng.randrange(0, int(6 * snic)),
+            snic_bytes_per_s=snic,
+            tokens_running=rng.randrange(0, 500_000),
+            requests_running=rng.randrange(0, 64),
+            buffer_free_bytes=rng.randrange(1 << 30, 1 << 36),
+            group=f"g{i // 8}",
+        )
         for i in range(n_decode)
     ]
     return ClusterView(prefill, decode, cnic_bytes_per_s=8 * 50e9)
@@ -68,8 +79,12 @@ def in_process(n_nodes: int, n: int, policy_name: str, seed: int) -> dict:
         lat.append(clock() - t0)
     wall_s = (clock() - t_start) / 1e9
     lat.sort()
-    return {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99),
-            "decisions_per_s": n / wall_s, "decisions": n}
+    return {
+        "p50_us": _pct(lat, 0.5),
+        "p99_us": _pct(lat, 0.99),
+        "decisions_per_s": n / wall_s,
+        "decisions": n,
+    }
 
 
 async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dict:
@@ -93,9 +108,13 @@ async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dic
         t_start = time.perf_counter_ns()
         for r in reqs:
             t0 = time.perf_counter_ns()
-            resp = await client.route(prompt_tokens=r.prompt_tokens, hit_tokens=r.hit_tokens,
-                                      hit_bytes=r.hit_bytes, context_bytes=0,
-                                      max_new_tokens=r.max_new_tokens)
+            resp = await client.route(
+                prompt_tokens=r.prompt_tokens,
+                hit_tokens=r.hit_tokens,
+                hit_bytes=r.hit_bytes,
+                context_bytes=0,
+                max_new_tokens=r.max_new_tokens,
+            )
             lat.append(time.perf_counter_ns() - t0)
             await client.complete(resp.request_id)
         wall_s = (time.perf_counter_ns() - t_start) / 1e9
@@ -103,8 +122,12 @@ async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dic
         await client.close()
         await server.stop(0)
     lat.sort()
-    return {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99),
-            "routes_per_s": n / wall_s, "decisions": n}
+    return {
+        "p50_us": _pct(lat, 0.5),
+        "p99_us": _pct(lat, 0.99),
+        "routes_per_s": n / wall_s,
+        "decisions": n,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,9 +135,13 @@ def run(args: argparse.Namespace) -> int:
     res_in = in_process(args.nodes, args.decisions, args.policy, args.seed)
     res_grpc = asyncio.run(through_grpc(args.nodes, args.grpc_decisions, args.policy, args.seed))
     out = {
-        "bench": "scheduler", "nodes": args.nodes, "prefill_nodes": args.nodes // 3,
-        "decode_nodes": args.nodes - args.nodes // 3, "policy": args.policy,
-        "in_process": res_in, "grpc_loopback": res_grpc,
+        "bench": "scheduler",
+        "nodes": args.nodes,
+        "prefill_nodes": args.nodes // 3,
+        "decode_nodes": args.nodes - args.nodes // 3,
+        "policy": args.policy,
+        "in_process": res_in,
+        "grpc_loopback": res_grpc,
         "bars": {"p99_us_max": 50, "decisions_per_s_min": 20_000},
         "pass": res_in["p99_us"] < 50 and res_in["decisions_per_s"] >= 20_000,
     }
