@@ -22,7 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
-def random_view(n_prefill: int, n_decode: int, rng: random.Random) -> ClusterView:
+def random_view(
+    n_prefill: int, n_decode: int, rng: random.Random, config_hashes: int = 1
+) -> ClusterView:
+    """Random loads; with `config_hashes` > 1 the nodes alternate between that many versions
+    (a rollout in progress), drawn after the loads so the loads are the same."""
     snic = 50e9  # 400 Gbps
     prefill = [
         NodeState(
@@ -48,6 +52,9 @@ def random_view(n_prefill: int, n_decode: int, rng: random.Random) -> ClusterVie
         )
         for i in range(n_decode)
     ]
+    if config_hashes > 1:
+        for i, n in enumerate((*prefill, *decode)):
+            n.config_hash = f"v{i % config_hashes}"
     return ClusterView(prefill, decode, cnic_bytes_per_s=8 * 50e9)
 
 
@@ -64,10 +71,10 @@ def _pct(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1e3
 
 
-def in_process(n_nodes: int, n: int, policy_name: str, seed: int) -> dict:
+def in_process(n_nodes: int, n: int, policy_name: str, seed: int, config_hashes: int = 1) -> dict:
     rng = random.Random(seed)
     n_prefill = n_nodes // 3
-    view = random_view(n_prefill, n_nodes - n_prefill, rng)
+    view = random_view(n_prefill, n_nodes - n_prefill, rng, config_hashes)
     reqs = _requests(1000, rng)
     policy = get_policy(policy_name)
     lat = []
@@ -133,6 +140,8 @@ async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dic
 def run(args: argparse.Namespace) -> int:
     print(f"bench scheduler: {args.nodes} nodes, policy {args.policy}", file=sys.stderr)
     res_in = in_process(args.nodes, args.decisions, args.policy, args.seed)
+    # The same view split over two config hashes: the multi-pool pair choice (no bar: transient).
+    res_rollout = in_process(args.nodes, args.decisions, args.policy, args.seed, config_hashes=2)
     res_grpc = asyncio.run(through_grpc(args.nodes, args.grpc_decisions, args.policy, args.seed))
     out = {
         "bench": "scheduler",
@@ -141,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_nodes": args.nodes - args.nodes // 3,
         "policy": args.policy,
         "in_process": res_in,
+        "in_process_rollout": res_rollout,
         "grpc_loopback": res_grpc,
         "bars": {"p99_us_max": 50, "decisions_per_s_min": 20_000},
         "pass": res_in["p99_us"] < 50 and res_in["decisions_per_s"] >= 20_000,
