@@ -55,6 +55,19 @@ class TransferStats:
     leaked_handles: int = 0
 
 
+class _Active:
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        self.engine._active += 1
+        self.engine._ensure_poller()
+        self.engine._wake.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine._active -= 1
+
+
 def _name(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
@@ -103,6 +116,7 @@ class TransferEngine:
         self._poller: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._closed = False
+        self._active = 0
         metrics.BUFFER_BYTES.labels(state="total").set(self.pool.nbytes)
         log.info(
             "transfer engine %s: NIXL UCX, %d MiB registered KV buffer, compute link %s",
@@ -250,6 +264,11 @@ class TransferEngine:
             if self._waiters.get(key) is fut:
                 del self._waiters[key]
 
+    def active(self) -> _Active:
+        """`with engine.active():` around a request keeps UCX progressing quickly while peers
+        may write to us (without a progress thread, the target side must poll too)."""
+        return _Active(self)
+
     def discard_notifs(self, prefix: bytes) -> None:
         """Forget notifications of a finished or failed request that nobody will wait for."""
         for key in [k for k in self._arrived if k[1].startswith(prefix)]:
@@ -285,7 +304,7 @@ class TransferEngine:
                         self._arrived[key] = now
             if self._leaked:
                 self._retry_releases()
-            if self._waiters or self.stats.inflight:
+            if self._waiters or self.stats.inflight or self._active:
                 await asyncio.sleep(_POLL_BUSY_S)
             else:
                 self._wake.clear()
