@@ -113,11 +113,13 @@ class DecodeRole:
         self.tokens_queued += len(prompt)
         try:
             try:
-                kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
+                with node.transfer.active():
+                    kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
             except (HitUnavailable, KVLoadError) as err:
                 metrics.FALLBACKS.labels("hit_unavailable").inc()
                 log.warning("request %s: hit KV unavailable (%s); recomputing the prompt", rid, err)
-                kv, logits, hit, path = await self._prefill(req, prompt, 0, "none")
+                with node.transfer.active():
+                    kv, logits, hit, path = await self._prefill(req, prompt, 0, "none")
         finally:
             self.tokens_queued -= len(prompt)
         prefill_s = time.perf_counter() - t0
@@ -273,11 +275,11 @@ class DecodeRole:
                     )
                     for layer in range(layout.layers)
                 ]
-            done_msg = await anext(stream)
+            # a failed hit-layer read here ends the wait at once (gather raises the first error)
+            done_msg, *_ = await asyncio.gather(anext(stream), *tasks)
             if done_msg.WhichOneof("kind") != "done":
                 raise PrefillFailed(f"prefill of {rid}: unexpected message {done_msg}")
             done = done_msg.done
-            await asyncio.gather(*tasks)
             waits = [
                 transfer.wait_notif(peer, new_notif(rid, i), deadline_s)
                 for i in range(layout.layers)

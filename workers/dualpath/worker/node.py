@@ -67,7 +67,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a decode node"
             )
         try:
-            await n.prefill.serve(request, context)
+            with n.transfer.active():
+                await n.prefill.serve(request, context)
         except HitUnavailable as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hit KV unavailable: {err}")
         except ValueError as err:

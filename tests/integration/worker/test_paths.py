@@ -1,0 +1,182 @@
+"""Both read paths between a real prefill worker process and a decode worker.
+
+The prefill worker runs as its own process (`dualpath worker --role prefill`); the decode
+worker runs in the test's process so its KV can be inspected. KV moves between them through
+NIXL/UCX exactly as in a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("nixl_cu12")
+
+from dualpath.config import Role, from_resource  # noqa: E402
+from dualpath.kv import block_ids  # noqa: E402
+from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
+from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
+from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BT = 16
+
+
+def _config(tmp: Path):
+    return from_resource(
+        {
+            "apiVersion": "dualpath.io/v1alpha1",
+            "kind": "DualPathCluster",
+            "metadata": {"name": "paths"},
+            "spec": {
+                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
+                "prefill": {"replicas": 1, "kvBufferBytes": 32 << 20},
+                "decode": {"replicas": 1, "kvBufferBytes": 32 << 20},
+                "storage": {"path": str(tmp / "kv")},
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("paths")
+    cfg = _config(tmp)
+    cfg_file = tmp / "cluster.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "worker",
+            "--role",
+            "prefill",
+            "-f",
+            str(cfg_file),
+            "--host",
+            "127.0.0.1",
+            "--node-id",
+            "prefill-0",
+            "--deadline",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "READY" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "prefill worker exited"
+            assert time.monotonic() < deadline, "prefill worker did not start"
+        address = line.split("grpc=")[1].split()[0]
+        yield cfg, address
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture
+async def decode(cluster):
+    cfg, _ = cluster
+    node = await WorkerNode(
+        cfg, NodeOptions(role=Role.DECODE, node_id="decode-0", kv_cache_tokens=4096, deadline_s=20)
+    ).start()
+    yield node
+    await node.stop()
+
+
+def _request(cfg, address, rid, prompt, hit, path, max_new=6):
+    return wpb.GenerateRequest(
+        request_id=rid,
+        prompt_tokens=prompt,
+        hit_tokens=hit,
+        max_new_tokens=max_new,
+        read_path=path,
+        prefill_node="prefill-0",
+        prefill_address=address,
+    )
+
+
+async def _generate(node, req) -> tuple[list[int], wpb.GenerateChunk]:
+    chunks = [c async for c in node.decode.generate(req)]
+    return [t for c in chunks for t in c.tokens], chunks[0]
+
+
+async def test_path_p_and_path_d_leave_identical_kv_and_tokens(cluster, decode):
+    cfg, address = cluster
+    model = cfg.spec.model
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, model.vocab_size, (70,), generator=g).tolist()
+    # turn 1: nothing stored; the decode node stores the turn's full blocks at its end
+    gen1, first = await _generate(decode, _request(cfg, address, "t1", prompt, 0, 0))
+    assert first.hit_tokens == 0 and len(gen1) == 6
+    ctx = prompt + gen1 + torch.randint(4, model.vocab_size, (9,), generator=g).tolist()
+    hits = decode.store.lookup(block_ids(ctx, model))
+    assert hits == (70 + 5) // BT  # prompt + generated (last token's KV not computed yet)
+    hit = hits * BT
+
+    kv, logits = {}, {}
+    for path, enum in (("prefill", spb.READ_PATH_PREFILL), ("decode", spb.READ_PATH_DECODE)):
+        req = _request(cfg, address, f"kv-{path}", ctx, hit, enum)
+        with decode.transfer.active():
+            kv[path], logits[path], used_hit, used_path = await decode.decode._prefill(
+                req, ctx, hit, path
+            )
+        assert (used_hit, used_path) == (hit, path)
+    for (kp, vp), (kd, vd) in zip(kv["prefill"], kv["decode"], strict=True):
+        assert kp.shape == (len(ctx), model.kv_heads, model.head_dim)
+        assert torch.equal(kp, kd) and torch.equal(vp, vd)
+    assert torch.equal(logits["prefill"], logits["decode"])
+    # and the loaded context equals a full recompute of it
+    with decode.transfer.active():
+        kv_none, logits_none, *_ = await decode.decode._prefill(
+            _request(cfg, address, "kv-none", ctx, 0, 0), ctx, 0, "none"
+        )
+    torch.testing.assert_close(logits["decode"], logits_none, atol=1e-4, rtol=0)
+    for (kd, _), (kn, _) in zip(kv["decode"], kv_none, strict=True):
+        torch.testing.assert_close(kd, kn, atol=1e-4, rtol=0)
+
+    answers = {}
+    for path, enum in (("prefill", spb.READ_PATH_PREFILL), ("decode", spb.READ_PATH_DECODE)):
+        tokens, head = await _generate(decode, _request(cfg, address, f"t2-{path}", ctx, hit, enum))
+        assert head.hit_tokens == hit and head.read_path == enum
+        answers[path] = tokens
+    assert answers["prefill"] == answers["decode"]
+    assert decode.transfer.pool.regions == 0  # every region went back
+
+
+async def test_a_corrupted_hit_block_is_recomputed_never_used(cluster, decode):
+    cfg, address = cluster
+    model = cfg.spec.model
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, model.vocab_size, (50,), generator=g).tolist()
+    gen1, _ = await _generate(decode, _request(cfg, address, "c1", prompt, 0, 0, max_new=3))
+    ctx = prompt + gen1 + [7, 8, 9]
+    ids = block_ids(ctx, model)
+    hit = decode.store.lookup(ids) * BT
+    assert hit == 48
+    clean, _ = await _generate(decode, _request(cfg, address, "c-ref", ctx, 0, 0))
+    for rid, enum in (("c-d", spb.READ_PATH_DECODE), ("c-p", spb.READ_PATH_PREFILL)):
+        # flip one payload byte of the second block (past the header: a layer checksum fails)
+        f = decode.store.path_of(ids[1])
+        raw = bytearray(f.read_bytes())
+        raw[-3] ^= 0xFF
+        f.write_bytes(bytes(raw))
+        tokens, head = await _generate(decode, _request(cfg, address, rid, ctx, hit, enum))
+        assert tokens == clean
+        assert head.hit_tokens < hit  # the bad block (and what follows) was not used
+        # the bad block was dropped and the recomputed turn wrote it again: repaired
+        assert decode.store.check(ids[:3]) == (3, [])
