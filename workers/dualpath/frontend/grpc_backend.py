@@ -29,7 +29,7 @@ class GrpcBackend:
         config: ClusterConfig,
         scheduler_address: str,
         storage_path: str,
-        timeout_s: float = 120.0,
+        timeout_s: float = 900.0,  # a whole turn: queueing behind other prefills included
     ) -> None:
         self.config = config
         self.model = config.spec.model

@@ -15,9 +15,11 @@ import asyncio
 import json
 import logging
 import random
+import shutil
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,11 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snic-gbps",
         type=float,
-        default=None,
-        help="emulated SNIC cap per node (default: spec.storage.snicGbps)",
+        default=0.25,
+        help="emulated SNIC cap per node. The default makes reading a turn's hit KV take "
+        "~4x its prefill compute on one CPU core, the storage-bound balance of a GPU cluster "
+        "on 400 Gbps SNICs; 0 keeps spec.storage.snicGbps",
     )
-    parser.add_argument("--agents", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4, help="max turns per agent")
+    parser.add_argument("--agents", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=6, help="max turns per agent")
     parser.add_argument("--first-tokens", type=int, default=1536)
     parser.add_argument("--append-tokens", type=int, default=32)
     parser.add_argument("--gen-tokens", type=int, default=4)
@@ -63,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="multiply the trace's think times (0: offline, back to back)",
+    )
+    parser.add_argument(
+        "--warmup-turns",
+        type=int,
+        default=1,
+        help="first turns of each agent run before the clock starts (cold context)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
@@ -80,6 +90,7 @@ class TurnResult:
     latency_s: float
     ok: bool = True
     error: str = ""
+    warmup: bool = False
 
 
 @dataclass
@@ -142,15 +153,39 @@ async def replay(
     think_scale: float = 0.0,
     progress: Progress | None = None,
     timeout_s: float = 600.0,
+    warmup_turns: int = 0,
+    on_warm: Callable[[], None] | None = None,
 ) -> list[TurnResult]:
-    """Replay every agent concurrently; each agent's turns run one after another."""
+    """Replay every agent concurrently; each agent's turns run one after another.
+
+    The first `warmup_turns` turns of every agent are marked `warmup` (their context is not in
+    storage yet: a cold start, not the steady state of an agentic workload); once every agent
+    finished them, `on_warm()` is called (start timers, snapshot counters) and the rest run.
+    """
     results: list[TurnResult] = []
+    warm_left = len(trajectories) if warmup_turns else 0
+    warm = asyncio.Event()
+    if not warm_left:
+        warm.set()
+        if on_warm:
+            on_warm()
+
+    def warmed() -> None:
+        nonlocal warm_left
+        warm_left -= 1
+        if warm_left == 0:
+            if on_warm:
+                on_warm()
+            warm.set()
 
     async def agent(tr: Trajectory) -> None:
         rng = random.Random(f"{seed}:{tr.agent_id}")
         history = _tokens(rng, tr.first_tokens, vocab)
         sid = f"bench-{seed}-{tr.agent_id}"
         for i, turn in enumerate(tr.turns):
+            if warmup_turns and i == warmup_turns:
+                warmed()
+                await warm.wait()
             if i and think_scale > 0 and turn.think_s > 0:
                 await asyncio.sleep(turn.think_s * think_scale)
             history += _tokens(rng, turn.append_tokens, vocab)
@@ -198,10 +233,13 @@ async def replay(
                         lat,
                         False,
                         err or "no final chunk",
+                        warmup=i < warmup_turns,
                     )
                 )
                 if progress:
                     progress.step()
+                if warmup_turns and i < warmup_turns:
+                    warmed()  # never block the others' barrier
                 return  # the session's history is unknown now: stop this agent
             gen = list(final["dualpath"]["token_ids"])
             results.append(
@@ -214,11 +252,14 @@ async def replay(
                     final["dualpath"]["read_path"],
                     ttft if ttft is not None else lat,
                     lat,
+                    warmup=i < warmup_turns,
                 )
             )
             history += gen
             if progress:
                 progress.step()
+        if warmup_turns and len(tr.turns) <= warmup_turns:
+            warmed()
 
     await asyncio.gather(*(agent(tr) for tr in trajectories))
     return results
@@ -231,6 +272,7 @@ def summarize(
     bytes_read: dict[str, int],
     snic_caps_bytes_per_s: float,
 ) -> PolicyResult:
+    results = [r for r in results if not r.warmup]
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     gen = sum(len(r.generated) for r in ok)
@@ -278,22 +320,69 @@ def _bytes_by_path(workers: dict[str, str]) -> dict[str, int]:
     return out
 
 
+def seed_storage(
+    cfg: config.ClusterConfig, trajectories: list[Trajectory], args: argparse.Namespace, sink
+) -> Path:
+    """Run every agent's warm-up turns once (cold: their context is computed, then stored) and
+    return that storage directory; each policy's run starts from a copy of it."""
+    from dualpath.local.cluster import LocalCluster, with_overrides
+
+    seed = Path(args.out) / "seed-kv"
+    scfg = with_overrides(cfg, **{"storage.path": str(seed)})
+    head = [
+        Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens, t.start_s)
+        for t in trajectories
+    ]
+    with LocalCluster(
+        scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
+    ) as cluster:
+        prog = Progress(sum(len(t.turns) for t in head), "warm-up", enabled=True)
+
+        async def go() -> list[TurnResult]:
+            limits = httpx.Limits(max_connections=len(head) + 4)
+            async with httpx.AsyncClient(
+                base_url=cluster.endpoints.frontend, limits=limits
+            ) as client:
+                return await replay(
+                    client,
+                    head,
+                    scfg.spec.model.name,
+                    scfg.spec.model.vocab_size,
+                    args.seed,
+                    progress=prog,
+                )
+
+        failed = [r for r in asyncio.run(go()) if not r.ok]
+    if failed:
+        raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
+    return seed
+
+
 def run_policy(
     cfg: config.ClusterConfig,
     policy: str,
     trajectories: list[Trajectory],
     args: argparse.Namespace,
     sink,
+    seed: Path | None = None,
 ) -> tuple[PolicyResult, list[TurnResult]]:
     from dualpath.local.cluster import LocalCluster, with_overrides
 
     pcfg = with_overrides(cfg, **{"scheduler.policy": policy})
     run_dir = Path(args.out) / policy
-    with LocalCluster(pcfg, run_dir, sink=sink, fresh_storage=True, log_level="WARNING") as cluster:
-        before = _bytes_by_path(cluster.endpoints.workers)
+    storage = Path(pcfg.spec.storage.path)
+    if storage.exists():
+        shutil.rmtree(storage)
+    if seed is not None:  # every policy starts from the same stored contexts
+        shutil.copytree(seed, storage)
+    with LocalCluster(pcfg, run_dir, sink=sink, log_level="WARNING") as cluster:
         total = sum(len(t.turns) for t in trajectories)
         prog = Progress(total, policy, enabled=True)
-        t0 = time.perf_counter()
+        mark: dict[str, Any] = {}
+
+        def on_warm() -> None:  # the steady state starts: counters and clock from here
+            mark["before"] = _bytes_by_path(cluster.endpoints.workers)
+            mark["t0"] = time.perf_counter()
 
         async def go() -> list[TurnResult]:
             limits = httpx.Limits(max_connections=len(trajectories) + 4)
@@ -308,11 +397,14 @@ def run_policy(
                     args.seed,
                     args.think_scale,
                     prog,
+                    warmup_turns=args.warmup_turns,
+                    on_warm=on_warm,
                 )
 
         results = asyncio.run(go())
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - mark["t0"]
         after = _bytes_by_path(cluster.endpoints.workers)
+        before = mark["before"]
     nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
     caps = nodes * pcfg.spec.storage.snic_gbps * 1e9 / 8
     read = {k: after[k] - before[k] for k in after}
@@ -371,12 +463,13 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
         "decode.replicas": args.decode,
         "storage.path": str(Path(args.out) / "kv"),
     }
-    if args.snic_gbps is not None:
+    if args.snic_gbps:
         over["storage.snicGbps"] = args.snic_gbps
     return with_overrides(cfg, **over)
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     cfg = base_config(args)
     if cfg.spec.storage.snic_gbps <= 0:
         print(
@@ -401,8 +494,9 @@ def run(args: argparse.Namespace) -> int:
     out: list[PolicyResult] = []
     answers: dict[str, dict[tuple[str, int], list[int]]] = {}
     with log_path.open("w") as sink:
+        seed = seed_storage(cfg, trajectories, args, sink) if args.warmup_turns else None
         for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            res, turns = run_policy(cfg, policy, trajectories, args, sink)
+            res, turns = run_policy(cfg, policy, trajectories, args, sink, seed)
             out.append(res)
             answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
     by = {r.policy: r for r in out}

@@ -35,7 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=65536,
         help="decode: tokens of the paged KV cache shared by the decode batch",
     )
-    parser.add_argument("--deadline", type=float, default=60.0, help="per-request deadline, s")
+    parser.add_argument(
+        "--deadline", type=float, default=60.0, help="one KV transfer or wait for one, s"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="one prefill call including its queueing for compute, s",
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="drain time on SIGTERM, s")
 
 
@@ -57,6 +65,7 @@ async def serve(args: argparse.Namespace) -> None:
         storage=args.storage or "",
         kv_cache_tokens=args.kv_cache_tokens,
         deadline_s=args.deadline,
+        request_timeout_s=args.request_timeout,
         grace_s=args.grace,
         advertise=args.advertise,
         advertise_host=os.environ.get("POD_IP")

@@ -261,7 +261,7 @@ class DecodeRole:
                     else None,
                     decode_new=wpb.Region(address=new_region.address, length=new_region.nbytes),
                 ),
-                timeout=deadline_s,
+                timeout=node.request_timeout_s,
             )
             stream = call.__aiter__()
             accepted = (await anext(stream)).accepted

@@ -37,7 +37,8 @@ class NodeOptions:
     scheduler: str = ""  # empty: run without a scheduler (tests)
     storage: str = ""
     kv_cache_tokens: int = 65536  # decode: the paged KV cache of the decode batch
-    deadline_s: float = 60.0
+    deadline_s: float = 60.0  # one transfer, one notification wait, one buffer wait
+    request_timeout_s: float = 600.0  # one Prefill call, queueing for compute included
     grace_s: float = 10.0
     store_backend: str = "auto"
 
@@ -107,6 +108,7 @@ class WorkerNode:
         self.role = opts.role
         self.node_id = opts.node_id
         self.deadline_s = opts.deadline_s
+        self.request_timeout_s = opts.request_timeout_s
         self.draining = False
         self.inflight = 0
         self.ready = False
@@ -221,12 +223,19 @@ class WorkerNode:
                 self.decode.tokens_running,
                 self.decode.requests_running,
             )
+        free = self.transfer.pool.free_bytes
+        if self.decode is not None:  # a decoding context lives in the paged cache afterwards
+            cache = self.engine.cache
+            cache_free = (
+                cache.free_pages * cache.page_tokens * self.cfg.spec.model.kv_bytes_per_token
+            )
+            free = min(free, cache_free)
         load = spb.NodeLoad(
             read_pending_bytes=self.read_queue.pending_bytes,
             tokens_queued=q,
             tokens_running=r,
             requests_running=n,
-            buffer_free_bytes=self.transfer.pool.free_bytes,
+            buffer_free_bytes=free,
             draining=self.draining,
         )
         metrics.LOAD.labels("read_pending_bytes").set(load.read_pending_bytes)

@@ -75,7 +75,7 @@ class PrefillLoad:
 
 
 class PrefillRole:
-    def __init__(self, node, max_concurrent: int = 4) -> None:  # noqa: ANN001 (WorkerNode)
+    def __init__(self, node, max_concurrent: int = 8) -> None:  # noqa: ANN001 (WorkerNode)
         self.node = node
         self.load = PrefillLoad()
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -101,57 +101,57 @@ class PrefillRole:
         handle = None
         t0 = time.perf_counter()
         try:
+            # I/O starts at arrival (buffer space is the admission limit for KV in flight), so
+            # the read queue's pending bytes, which the scheduler balances, include this request
+            pool = transfer.pool
+            timeout = node.deadline_s
+            hit_region = (
+                await pool.alloc_wait(layout.hit_bytes, timeout) if layout.hit_blocks else None
+            )
+            if hit_region is not None:
+                regions.append(hit_region)
+            new_region = await pool.alloc_wait(layout.new_bytes, timeout)
+            regions.append(new_region)
+            forward: list[asyncio.Task] = []
+            rid = req.request_id
+            if path == "prefill":
+                ids = block_ids(prompt, model)[: layout.hit_blocks]
+                handle = node.read_queue.submit(ids, out=hit_region.tensor)
+                valid = await handle.ready()
+                if valid < layout.hit_blocks:
+                    raise HitUnavailable(
+                        f"{layout.hit_blocks - valid} of {layout.hit_blocks} hit blocks "
+                        f"unreadable ({', '.join(f.reason for f in handle.failed)})"
+                    )
+                source = handle
+                forward = [
+                    asyncio.create_task(
+                        self._forward_hit(handle, layout, hit_region, req, peer, layer)
+                    )
+                    for layer in range(layout.layers)
+                ]
+            elif path == "decode":
+                source = RemoteHitSource(transfer, peer, rid, layout, hit_region.tensor, timeout)
+            else:
+                source = None
+            await context.write(
+                wpb.PrefillMessage(
+                    accepted=wpb.PrefillAccepted(
+                        prefill_agent=transfer.name,
+                        prefill_agent_metadata=transfer.metadata,
+                        prefill_hit=wpb.Region(address=hit_region.address, length=hit_region.nbytes)
+                        if hit_region is not None
+                        else None,
+                    )
+                )
+            )
+            # compute slots: more than one so a request still waiting for its hit KV does not
+            # idle the compute thread while the next one's KV is already here
             async with self._slots:
                 self.load.tokens_queued -= new_tokens
                 self.load.tokens_running += new_tokens
                 self.load.requests_running += 1
                 started = True
-                pool = transfer.pool
-                timeout = node.deadline_s
-                hit_region = (
-                    await pool.alloc_wait(layout.hit_bytes, timeout) if layout.hit_blocks else None
-                )
-                if hit_region is not None:
-                    regions.append(hit_region)
-                new_region = await pool.alloc_wait(layout.new_bytes, timeout)
-                regions.append(new_region)
-                forward: list[asyncio.Task] = []
-                rid = req.request_id
-                if path == "prefill":
-                    ids = block_ids(prompt, model)[: layout.hit_blocks]
-                    handle = node.read_queue.submit(ids, out=hit_region.tensor)
-                    valid = await handle.ready()
-                    if valid < layout.hit_blocks:
-                        raise HitUnavailable(
-                            f"{layout.hit_blocks - valid} of {layout.hit_blocks} hit blocks "
-                            f"unreadable ({', '.join(f.reason for f in handle.failed)})"
-                        )
-                    source = handle
-                    forward = [
-                        asyncio.create_task(
-                            self._forward_hit(handle, layout, hit_region, req, peer, layer)
-                        )
-                        for layer in range(layout.layers)
-                    ]
-                elif path == "decode":
-                    source = RemoteHitSource(
-                        transfer, peer, rid, layout, hit_region.tensor, timeout
-                    )
-                else:
-                    source = None
-                await context.write(
-                    wpb.PrefillMessage(
-                        accepted=wpb.PrefillAccepted(
-                            prefill_agent=transfer.name,
-                            prefill_agent_metadata=transfer.metadata,
-                            prefill_hit=wpb.Region(
-                                address=hit_region.address, length=hit_region.nbytes
-                            )
-                            if hit_region is not None
-                            else None,
-                        )
-                    )
-                )
                 run = node.engine.prefill(prompt[layout.hit_tokens :], layout.hit_tokens, source)
                 writes: list[asyncio.Task] = []
                 try:
