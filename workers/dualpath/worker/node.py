@@ -32,7 +32,7 @@ class NodeOptions:
     node_id: str
     host: str = "127.0.0.1"
     port: int = 0
-    advertise: str = ""  # host:port peers and the scheduler use (default below)
+    advertise: str = ""  # host[:port] peers and the scheduler use (port: the bound one)
     advertise_host: str = ""  # with the bound port when `advertise` is empty (default host)
     scheduler: str = ""  # empty: run without a scheduler (tests)
     storage: str = ""
@@ -127,11 +127,13 @@ class WorkerNode:
         from dualpath.kv import KVStore, ReadQueue
         from dualpath.transfer.engine import TransferEngine
         from dualpath.transfer.link import ComputeLink
+        from dualpath.worker.checks import run_checks
         from dualpath.worker.decode import DecodeRole
         from dualpath.worker.prefill import PrefillRole
 
         spec = self.cfg.spec
         pool = spec.pool(self.role)
+        self.checks = run_checks(spec, self.role)
         loop = asyncio.get_running_loop()
         # the model loads on a thread so the loop stays responsive (health answers 503 meanwhile)
         cache_tokens = (
@@ -186,7 +188,10 @@ class WorkerNode:
 
     @property
     def address(self) -> str:
-        return self.opts.advertise or f"{self.opts.advertise_host or self.opts.host}:{self.port}"
+        adv = self.opts.advertise
+        if adv and adv.rsplit(":", 1)[-1].isdigit():
+            return adv
+        return f"{adv or self.opts.advertise_host or self.opts.host}:{self.port}"
 
     async def _register(self) -> None:
         from dualpath.scheduler.client import NodeAgent, Registration
