@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on 400 Gbps SNICs; 0 keeps spec.storage.snicGbps",
     )
     parser.add_argument("--agents", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=6, help="max turns per agent")
+    parser.add_argument("--turns", type=int, default=10, help="max turns per agent")
     parser.add_argument("--first-tokens", type=int, default=1536)
     parser.add_argument("--append-tokens", type=int, default=32)
     parser.add_argument("--gen-tokens", type=int, default=4)
