@@ -47,6 +47,10 @@ async def test_layer_source_contract_round_trips(make_store, kvh):
             assert torch.equal(kvh.u8(v), kvh.u8(torch.cat([b[layer][1] for b in blocks])))
         assert q.pending_bytes == 0
         assert q.read_bytes == 5 * store.layout.payload_bytes
+        handle.close()
+    # the request's run handed its fds back to the store's cache (none held, none leaked)
+    assert len(store._files) == 5
+    assert all(e.refs == 0 for e in store._files._open.values())
 
 
 async def test_read_into_caller_buffer(make_store, kvh):
@@ -93,6 +97,7 @@ async def test_close_drops_queued_reads_and_releases_pending(tmp_path, tiny, kvh
             await h.layer(3)
         q.close()
         assert q.pending_bytes == 0
+        assert all(e.refs == 0 for e in store._files._open.values())  # cancelled: run closed
     finally:
         backend.gate.set()
         q.close()

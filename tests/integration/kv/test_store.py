@@ -102,9 +102,10 @@ def test_block_of_another_model_is_a_miss(make_store, tmp_path, kvh):
     other = make_store(model=ModelSpec(preset="tiny", seed=9), root=tmp_path / "other")
     ids, _ = fill(ours, 2)
     foreign_ids, _ = fill(other, 2)
-    # a foreign block placed under our id (e.g. a shared dir written by another deployment)
+    assert ours.read_layer(ids, 1).valid_blocks == 2  # our fds and headers are now cached
+    # a foreign block placed under our id (e.g. a shared dir written by another deployment):
+    # the path names a new inode, so the cached fd of the old file must not be used
     os.replace(other.path_of(foreign_ids[0]), ours.path_of(ids[1]))
-    ours._headers.clear()
     before = misses("foreign_model")
     r = ours.read_layer(ids, 1)
     assert r.valid_blocks == 1 and r.failed[0].reason == "foreign_model"
@@ -242,3 +243,81 @@ def test_put_refuses_wrong_shapes(make_store):
     bid = block_ids(list(range(64)), store.model)[0]
     with pytest.raises(ValueError, match="layer 0 K"):
         store.put(bid, [(torch.zeros(64, 2, 8), torch.zeros(64, 2, 16))] * 4)
+
+
+def _fds_of(store):
+    return [e.fd for e in store._files._open.values()]
+
+
+@pytest.mark.parametrize("backend", ["preadv", "nixl"])
+def test_cached_fds_never_serve_a_deleted_or_rewritten_block(make_store, kvh, backend):
+    fill, u8 = kvh.fill, kvh.u8
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12")
+    store = make_store(backend=backend)
+    other = make_store(root=store.root)  # another process sharing the directory
+    ids, blocks = fill(store, 3)
+    assert store.read_layer(ids, 0).valid_blocks == 3 and len(_fds_of(store)) == 3
+    os.unlink(store.path_of(ids[2]))  # evicted elsewhere: the cached fd still reads the inode
+    r = store.read_layer(ids, 1)
+    assert r.valid_blocks == 2 and r.failed[0].reason == "missing"
+    # rewritten elsewhere with other bytes for the same id (e.g. recomputed KV)
+    fresh = random_layers(store.layout, torch.Generator().manual_seed(42))
+    os.unlink(store.path_of(ids[1]))
+    assert other.put(ids[1], fresh)
+    r = store.read_layer(ids[:2], 3)
+    assert r.valid_blocks == 2 and not r.failed
+    assert torch.equal(u8(r.k[64:]), u8(fresh[3][0]))  # the new file, checked against its header
+    assert torch.equal(u8(r.k[:64]), u8(blocks[0][3][0]))
+
+
+def test_evict_and_close_release_cached_fds(make_store, kvh):
+    store = make_store(backend="preadv")
+    ids, _ = kvh.fill(store, 3)
+    store.read_blocks(ids)
+    fds = _fds_of(store)
+    assert len(fds) == 3
+    store.evict(ids[0])
+    assert len(_fds_of(store)) == 2
+    with pytest.raises(OSError):
+        os.fstat(fds[0])
+    assert store.read_layer(ids, 0).valid_blocks == 0  # evicted: a miss, not the old fd
+    store.close()
+    assert not _fds_of(store)
+    for fd in fds[1:]:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_open_run_reads_chunks_and_holds_fds_until_closed(make_store, kvh):
+    fill, u8 = kvh.fill, kvh.u8
+    store = make_store()
+    ids, blocks = fill(store, 4)
+    run = store.open_run(ids)
+    assert run.valid_blocks == 4 and not run.failed
+    r = store.read_run_layer(run, 2, 1, 3)
+    assert r.valid_blocks == 2
+    assert torch.equal(u8(r.v), u8(torch.cat([blocks[1][2][1], blocks[2][2][1]])))
+    held = run.entries[0].fd
+    store.evict(ids[0])  # evicted while a request reads it: its run keeps the inode open
+    assert os.fstat(held)
+    assert store.read_run_layer(run, 0, 0, 1).valid_blocks == 1
+    run.close()
+    run.close()  # idempotent
+    with pytest.raises(OSError):
+        os.fstat(held)
+    with pytest.raises(ValueError, match="outside"):
+        store.read_run_layer(run, 0, 0, 5)
+
+
+def test_open_files_cache_is_bounded(make_store, tmp_path, kvh):
+    from dualpath.kv import KVStore
+
+    store = KVStore(tmp_path / "bounded", make_store().model, 1 << 30, "preadv", open_files=2)
+    try:
+        ids, blocks = kvh.fill(store, 5)
+        r = store.read_layer(ids, 1)
+        assert r.valid_blocks == 5 and len(_fds_of(store)) == 2
+        assert torch.equal(kvh.u8(r.k[256:]), kvh.u8(blocks[4][1][0]))
+    finally:
+        store.close()

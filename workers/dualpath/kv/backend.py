@@ -1,10 +1,13 @@
 """Read backends: how a batch of range reads lands in host memory.
 
-A batch is a list of `RangeRead(fd, offset, buffers)`: read `sum(len(b))` contiguous file bytes
-at `offset` and scatter them into `buffers` (contiguous uint8 CPU tensors), in order.
+A `ReadBatch` is a set of destination buffers (contiguous uint8 CPU tensors) and a table of
+segments, one row each: read `nbytes` of file `fd` at `file_offset` into `dests[dest]` at
+`dest_offset`. The store builds the table with numpy (one row per K or V of a block-layer), so
+a batch of many ranges costs a few array operations, not Python objects per range.
 `nixl` issues one NIXL POSIX-backend READ (FILE_SEG -> DRAM_SEG) per batch; `preadv` calls
-os.preadv per range. `make_backend` picks one by name; `auto` tries nixl and, when it cannot
-start, logs a warning, counts it (dualpath_kv_backend_fallback_total) and uses preadv.
+os.preadv per run of file-contiguous segments. `make_backend` picks one by name; `auto` tries
+nixl and, when it cannot start, logs a warning, counts it (dualpath_kv_backend_fallback_total)
+and uses preadv.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from dualpath.kv import metrics
@@ -23,24 +27,26 @@ from dualpath.kv import metrics
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nixl", "preadv")
+# segment table columns
+FD, FILE_OFFSET, NBYTES, DEST, DEST_OFFSET = range(5)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 @dataclass
-class RangeRead:
-    fd: int
-    offset: int
-    buffers: list[torch.Tensor]
+class ReadBatch:
+    dests: list[torch.Tensor]  # contiguous 1-D uint8 CPU tensors
+    segments: np.ndarray  # int64 (n, 5): fd, file_offset, nbytes, dest, dest_offset
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        return int(self.segments[:, NBYTES].sum())
 
 
 class ReadBackend(Protocol):
     name: str
 
-    def read(self, batch: list[RangeRead]) -> None:
-        """Fill every buffer of the batch; raises OSError on any failure."""
+    def read(self, batch: ReadBatch) -> None:
+        """Fill every segment of the batch; raises OSError on any failure."""
 
     def close(self) -> None: ...
 
@@ -48,24 +54,41 @@ class ReadBackend(Protocol):
 class PreadvBackend:
     name = "preadv"
 
-    def read(self, batch: list[RangeRead]) -> None:
-        for r in batch:
-            views = [memoryview(b.numpy()) for b in r.buffers]
-            offset, want = r.offset, r.nbytes
-            while views:
-                got = os.preadv(r.fd, views, offset)
-                if got <= 0:
-                    raise OSError(f"short read at offset {offset} ({want} bytes wanted)")
-                offset += got
-                # Drop what was filled; a short read mid-buffer continues inside that buffer.
-                while views and got >= len(views[0]):
-                    got -= len(views[0])
-                    views.pop(0)
-                if got:
-                    views[0] = views[0][got:]
+    def read(self, batch: ReadBatch) -> None:
+        views = [memoryview(d.numpy()) for d in batch.dests]
+        rows = batch.segments.tolist()
+        i, n = 0, len(rows)
+        while i < n:
+            fd, offset, nbytes, dest, dest_off = rows[i]
+            iov = [views[dest][dest_off : dest_off + nbytes]]
+            end = offset + nbytes
+            i += 1
+            # one preadv per run of segments that are contiguous in the same file
+            while i < n and rows[i][0] == fd and rows[i][1] == end and len(iov) < _IOV_MAX:
+                _, _, nbytes, dest, dest_off = rows[i]
+                iov.append(views[dest][dest_off : dest_off + nbytes])
+                end += nbytes
+                i += 1
+            _preadv_all(fd, iov, offset)
 
     def close(self) -> None:
         pass
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
+    want = sum(len(v) for v in views)
+    views = [v for v in views if len(v)]
+    while views:
+        got = os.preadv(fd, views, offset)
+        if got <= 0:
+            raise OSError(f"short read at offset {offset} ({want} bytes wanted)")
+        offset += got
+        # Drop what was filled; a short read mid-buffer continues inside that buffer.
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if got:
+            views[0] = views[0][got:]
 
 
 class NixlUnavailable(RuntimeError):
@@ -107,28 +130,36 @@ class NixlBackend:
             self._agents.append(agent)
         return agent
 
-    def read(self, batch: list[RangeRead]) -> None:
-        if not batch:
+    def read(self, batch: ReadBatch) -> None:
+        seg = batch.segments
+        seg = seg[seg[:, NBYTES] > 0]  # e.g. MLA's empty V
+        if not len(seg):
             return
         agent = self._agent()
-        files, file_descs, mem_regs, mem_descs = {}, [], [], []
-        for r in batch:
-            files.setdefault(r.fd, (0, 0, r.fd, ""))
-            off = r.offset
-            for b in r.buffers:
-                n = b.numel()
-                file_descs.append((off, n, r.fd))
-                mem_regs.append((b.data_ptr(), n, 0, ""))
-                mem_descs.append((b.data_ptr(), n, 0))
-                off += n
+        # Vectorized descriptors: (addr, len, dev) for memory, (offset, len, fd) for files.
+        bases = np.array([d.data_ptr() for d in batch.dests], dtype=np.int64)
+        mem = np.empty((len(seg), 3), dtype=np.uint64)
+        mem[:, 0] = bases[seg[:, DEST]] + seg[:, DEST_OFFSET]
+        mem[:, 1] = seg[:, NBYTES]
+        mem[:, 2] = 0
+        files = np.ascontiguousarray(seg[:, [FILE_OFFSET, NBYTES, FD]], dtype=np.uint64)
+        # Registration is per batch: two registerMem calls (every fd of the batch, every dest
+        # buffer) are ~1% of a layer read here, and a registration never outlives the fds the
+        # store keeps open for this read.
+        file_regs = [(0, 0, fd, "") for fd in np.unique(seg[:, FD]).tolist()]
+        mem_regs = [(d.data_ptr(), d.numel(), 0, "") for d in batch.dests if d.numel()]
         try:
-            freg = agent.register_memory(list(files.values()), "FILE", backends=["POSIX"])
-            mreg = agent.register_memory(mem_regs, "DRAM", backends=["POSIX"])
+            freg = agent.register_memory(file_regs, "FILE", backends=["POSIX"])
         except Exception as err:
             raise OSError(f"NIXL registration failed: {err}") from err
         try:
-            local = agent.get_xfer_descs(mem_descs, "DRAM")
-            remote = agent.get_xfer_descs(file_descs, "FILE")
+            mreg = agent.register_memory(mem_regs, "DRAM", backends=["POSIX"])
+        except Exception as err:
+            agent.deregister_memory(freg, backends=["POSIX"])
+            raise OSError(f"NIXL registration failed: {err}") from err
+        try:
+            local = agent.get_xfer_descs(mem, "DRAM")
+            remote = agent.get_xfer_descs(files, "FILE")
             handle = agent.initialize_xfer("READ", local, remote, agent.name, backends=["POSIX"])
             try:
                 state = agent.transfer(handle)

@@ -31,6 +31,7 @@ from dualpath.kv.store import (
     BlockRead,
     KVStore,
     LayerKV,
+    OpenRun,
     request_buffer_bytes,
     request_layer_views,
 )
@@ -117,6 +118,8 @@ class LayerReadHandle:
         self._remaining: list[int] = [0] * self.layout.layers
         self._error: KVLoadError | None = None
         self._jobs: list[cf.Future] = []
+        self._run: OpenRun | None = None  # the validated blocks, open until the last chunk
+        self._run_jobs = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -193,6 +196,14 @@ class LayerReadHandle:
             for layer in range(self.layout.layers):
                 k, v = self._views(layer)
                 self._resolve(self._layers[layer], (k[:0], v[:0]))
+
+    def _chunk_finished(self) -> None:
+        """A chunk job ran, failed or was cancelled: the last one closes the run."""
+        with self._lock:
+            self._run_jobs -= 1
+            last = self._run_jobs == 0
+        if last and self._run is not None:
+            self._run.close()
 
     def _chunk_done(self, layer: int, a: int, got: int, want: int, failed: list) -> None:
         with self._lock:
@@ -296,10 +307,12 @@ class ReadQueue:
         if handle.closed:
             self._add_pending(-n * lo.payload_bytes)
             return
-        valid, failed = self.store.check(handle.ids)
+        run = self.store.open_run(handle.ids)
+        valid, failed = run.valid_blocks, run.failed
         self._add_pending(-(n - valid) * lo.payload_bytes)
         handle._validated(valid, failed)
         if valid == 0:
+            run.close()
             return
         chunks = [
             (a, min(a + self.chunk_blocks, valid)) for a in range(0, valid, self.chunk_blocks)
@@ -307,6 +320,8 @@ class ReadQueue:
         with handle._lock:
             for layer in range(lo.layers):
                 handle._remaining[layer] = len(chunks)
+            handle._run = run
+            handle._run_jobs = lo.layers * len(chunks)
         for layer in range(lo.layers):
             for a, b in chunks:
                 nbytes = (b - a) * lo.layer_bytes
@@ -314,10 +329,16 @@ class ReadQueue:
                     job = self._pool.submit(self._read_chunk, handle, layer, a, b)
                 except RuntimeError:  # pool shut down by close()
                     self._add_pending(-nbytes)
+                    handle._chunk_finished()
                     continue
-                job.add_done_callback(lambda f, nb=nbytes: f.cancelled() and self._add_pending(-nb))
+                job.add_done_callback(lambda f, nb=nbytes: self._chunk_job_done(f, handle, nb))
                 with handle._lock:
                     handle._jobs.append(job)
+
+    def _chunk_job_done(self, job: cf.Future, handle: LayerReadHandle, nbytes: int) -> None:
+        if job.cancelled():
+            self._add_pending(-nbytes)
+        handle._chunk_finished()
 
     def _read_chunk(self, handle: LayerReadHandle, layer: int, a: int, b: int) -> None:
         lo = self.store.layout
@@ -334,8 +355,8 @@ class ReadQueue:
             try:
                 k, v = handle._views(layer)
                 bt = lo.block_tokens
-                r = self.store.read_layer(
-                    handle.ids[a:b], layer, k_out=k[a * bt : b * bt], v_out=v[a * bt : b * bt]
+                r = self.store.read_run_layer(
+                    handle._run, layer, a, b, k_out=k[a * bt : b * bt], v_out=v[a * bt : b * bt]
                 )
             finally:
                 with self._lock:

@@ -9,6 +9,8 @@ directory: each indexes what it sees; a block another process evicted is a `miss
 Every read verifies the block's header (magic, version, model fingerprint, shape) and the
 checksum of each layer it reads. A bad block is a miss, logged and counted by reason, and
 dropped from the store so it is rewritten; reads return the valid prefix and the failed ids.
+Block fds and their validated headers stay open between reads (`kv/files.py`): each read stats
+the path and reuses an fd only while the path still names the inode it was opened on.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import torch
 
 from dualpath.config import ModelSpec
 from dualpath.kv import metrics
-from dualpath.kv.backend import RangeRead, ReadBackend, make_backend
+from dualpath.kv.backend import NBYTES, ReadBackend, ReadBatch, make_backend
+from dualpath.kv.files import OpenBlock, OpenBlocks
 from dualpath.kv.format import (
     BlockFormatError,
-    BlockHeader,
     BlockLayout,
     decode_header,
     encode_header,
@@ -49,7 +51,7 @@ TORCH_DTYPES = {
     "float8": torch.float8_e4m3fn,
 }
 _STALE_TMP_S = 600.0
-_HEADER_CACHE = 1 << 16
+_OPEN_FILES = 1024
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -107,6 +109,44 @@ def request_layer_views(
     return k, v
 
 
+def layer_segments(layout: BlockLayout, fds: np.ndarray, layer: int) -> np.ndarray:
+    """Segment table reading `layer` of blocks `fds` (in order) into two dests: K of every
+    block back to back in dest 0, V in dest 1. Rows: K of block 0, V of block 0, K of block 1..."""
+    n = len(fds)
+    seg = np.empty((n, 2, 5), dtype=np.int64)
+    idx = np.arange(n, dtype=np.int64)
+    seg[:, :, 0] = fds[:, None]
+    seg[:, 0, 1] = layout.layer_offset(layer)
+    seg[:, 1, 1] = layout.layer_offset(layer) + layout.k_bytes
+    seg[:, 0, 2] = layout.k_bytes
+    seg[:, 1, 2] = layout.v_bytes
+    seg[:, 0, 3] = 0
+    seg[:, 1, 3] = 1
+    seg[:, 0, 4] = idx * layout.k_bytes
+    seg[:, 1, 4] = idx * layout.v_bytes
+    return seg.reshape(-1, 5)
+
+
+def block_segments(layout: BlockLayout, fds: np.ndarray) -> np.ndarray:
+    """Segment table reading every layer of blocks `fds` into one request buffer (dest 0,
+    `request_layer_views` layout). Rows: block 0 layer 0 K, V, block 0 layer 1 K, V, ...;
+    each block's rows are one contiguous run of its file."""
+    n, layers = len(fds), layout.layers
+    seg = np.empty((n, layers, 2, 5), dtype=np.int64)
+    blk = np.arange(n, dtype=np.int64)[:, None]
+    lay = np.arange(layers, dtype=np.int64)[None, :]
+    seg[:, :, :, 0] = fds[:, None, None]
+    seg[:, :, 0, 1] = layout.header_bytes + lay * layout.layer_bytes
+    seg[:, :, 1, 1] = seg[:, :, 0, 1] + layout.k_bytes
+    seg[:, :, 0, 2] = layout.k_bytes
+    seg[:, :, 1, 2] = layout.v_bytes
+    seg[:, :, :, 3] = 0
+    base = lay * n * layout.layer_bytes
+    seg[:, :, 0, 4] = base + blk * layout.k_bytes
+    seg[:, :, 1, 4] = base + n * layout.k_bytes + blk * layout.v_bytes
+    return seg.reshape(-1, 5)
+
+
 def split_blocks(kv_layers: Sequence[LayerKV], block_tokens: int) -> list[list[LayerKV]]:
     """Split a context's per-layer (K, V), each (tokens, heads, dim), into full blocks."""
     if not kv_layers:
@@ -123,6 +163,46 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _dest(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not t.is_contiguous():  # reshape would copy, and the read would land in the copy
+        raise ValueError(f"{name} must be contiguous")
+    return _u8(t)
+
+
+class OpenRun:
+    """The valid prefix of a run of blocks, held open for one request's reads
+    (`KVStore.open_run`). Its reads use the inodes the blocks' paths named when it was opened,
+    checked against their headers; `close()` hands the fds back to the store's cache (closing
+    those evicted, dropped or replaced meanwhile). Idempotent and thread-safe."""
+
+    def __init__(
+        self, files: OpenBlocks, ids: list[BlockId], entries: list[OpenBlock], failed: list
+    ) -> None:
+        self._files = files
+        self.ids = ids[: len(entries)]
+        self.entries = entries
+        self.failed: list[BlockFailure] = failed
+        self._lock = threading.Lock()
+        self._open = True
+
+    @property
+    def valid_blocks(self) -> int:
+        return len(self.entries)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+        self._files.release(self.entries)
+
+    def __enter__(self) -> OpenRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class KVStore:
     """Thread-safe block store of one model in one directory."""
 
@@ -133,6 +213,7 @@ class KVStore:
         capacity_bytes: int,
         backend: str | ReadBackend = "auto",
         durable: bool = True,
+        open_files: int = _OPEN_FILES,
     ) -> None:
         self.root = Path(root)
         self._blocks_dir = str(self.root / "blocks")
@@ -148,7 +229,7 @@ class KVStore:
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         self._lock = threading.Lock()
         self._lru: OrderedDict[BlockId, int] = OrderedDict()  # id -> file bytes, oldest first
-        self._headers: OrderedDict[BlockId, BlockHeader] = OrderedDict()
+        self._files = OpenBlocks(_open_files_limit(open_files))
         self._used = 0
         (self.root / "blocks").mkdir(parents=True, exist_ok=True)
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
@@ -255,7 +336,7 @@ class KVStore:
         size = self._lru.pop(block_id, None)
         if size is not None:
             self._used -= size
-        self._headers.pop(block_id, None)
+        self._files.invalidate(block_id)
         try:
             self.path_of(block_id).unlink()
         except FileNotFoundError:
@@ -284,8 +365,13 @@ class KVStore:
         """Write one block (per layer K, V of (block_tokens, heads, dim)); False if present."""
         self._check_block(block_id, layers)
         if self._present(block_id):
-            self._touch([block_id])
-            return False
+            if os.path.exists(self._file(block_id)):
+                self._touch([block_id])
+                return False
+            # indexed here but dropped by another process sharing the directory (evicted, or
+            # found bad by its reader): forget it and write it again, so the store heals
+            with self._lock:
+                self._drop_locked(block_id)
         bufs = []
         checksums = []
         for k, v in layers:
@@ -367,57 +453,68 @@ class KVStore:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def _open_valid(self, ids: Sequence[BlockId]) -> tuple[list[tuple[int, BlockHeader]], list]:
-        """Open the longest valid prefix: (fd, header) each; the first failure ends it."""
-        opened: list[tuple[int, BlockHeader]] = []
+    def _acquire(self, ids: Sequence[BlockId]) -> tuple[list[OpenBlock], list[BlockFailure]]:
+        """Open (or reuse) the longest valid prefix of `ids`; the first failure ends it.
+        The caller releases the entries (`self._files.release`)."""
+        got: list[OpenBlock] = []
         failed: list[BlockFailure] = []
-        for b in ids:
-            try:
-                fd = os.open(self._file(b), os.O_RDONLY)
-            except FileNotFoundError:
-                failed.append(self._miss(b, "missing", f"block {b} not found", drop=True))
-                break
-            except OSError as err:
-                failed.append(self._miss(b, "io_error", f"block {b}: {err}", drop=False))
-                break
-            try:
-                if os.fstat(fd).st_size != self.layout.file_bytes:
-                    raise BlockFormatError(
-                        "truncated",
-                        f"block {b}: {os.fstat(fd).st_size} bytes, "
-                        f"expected {self.layout.file_bytes}",
-                    )
-                header = self._header(b, fd)
-            except BlockFormatError as err:
-                os.close(fd)
-                failed.append(self._miss(b, err.reason, str(err), drop=True))
-                break
-            except OSError as err:
-                os.close(fd)
-                failed.append(self._miss(b, "io_error", f"block {b}: {err}", drop=False))
-                break
-            opened.append((fd, header))
-        return opened, failed
+        try:
+            for b in ids:
+                entry = self._acquire_one(b, failed)
+                if entry is None:
+                    break
+                got.append(entry)
+        except BaseException:
+            self._files.release(got)
+            raise
+        return got, failed
+
+    def _acquire_one(self, b: BlockId, failed: list[BlockFailure]) -> OpenBlock | None:
+        path = self._file(b)
+        lo = self.layout
+        try:
+            st = os.stat(path)  # the path must still name the inode a cached fd was opened on
+            if st.st_size != lo.file_bytes:
+                raise BlockFormatError(
+                    "truncated", f"block {b}: {st.st_size} bytes, expected {lo.file_bytes}"
+                )
+            entry = self._files.acquire(b, st.st_dev, st.st_ino)
+            if entry is None:
+                entry = self._open_block(b, path)
+            return entry
+        except FileNotFoundError:
+            failed.append(self._miss(b, "missing", f"block {b} not found", drop=True))
+        except BlockFormatError as err:
+            failed.append(self._miss(b, err.reason, str(err), drop=True))
+        except OSError as err:
+            failed.append(self._miss(b, "io_error", f"block {b}: {err}", drop=False))
+        return None
+
+    def _open_block(self, b: BlockId, path: str) -> OpenBlock:
+        lo = self.layout
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != lo.file_bytes:
+                raise BlockFormatError(
+                    "truncated", f"block {b}: {st.st_size} bytes, expected {lo.file_bytes}"
+                )
+            header = decode_header(os.pread(fd, lo.header_bytes, 0), lo, b)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._files.add(OpenBlock(b, fd, st.st_dev, st.st_ino, header))
 
     def check(self, ids: Sequence[BlockId]) -> tuple[int, list[BlockFailure]]:
         """Validate headers and sizes: (length of the valid prefix, the failure ending it)."""
-        opened, failed = self._open_valid(ids)
-        for fd, _ in opened:
-            os.close(fd)
-        return len(opened), failed
+        with self.open_run(ids) as run:
+            return run.valid_blocks, run.failed
 
-    def _header(self, block_id: BlockId, fd: int) -> BlockHeader:
-        with self._lock:
-            h = self._headers.get(block_id)
-            if h is not None:
-                self._headers.move_to_end(block_id)
-                return h
-        h = decode_header(os.pread(fd, self.layout.header_bytes, 0), self.layout, block_id)
-        with self._lock:
-            self._headers[block_id] = h
-            if len(self._headers) > _HEADER_CACHE:
-                self._headers.popitem(last=False)
-        return h
+    def open_run(self, ids: Sequence[BlockId]) -> OpenRun:
+        """Validate `ids` (sizes, headers) and hold the valid prefix open for reads
+        (`read_run_layer`); the caller closes it."""
+        opened, failed = self._acquire(ids)
+        return OpenRun(self._files, list(ids), opened, failed)
 
     def _miss(self, block_id: BlockId, reason: str, message: str, drop: bool) -> BlockFailure:
         log.warning("KV miss (%s): %s", reason, message)
@@ -428,7 +525,7 @@ class KVStore:
                     size = self._lru.pop(block_id, None)
                     if size is not None:
                         self._used -= size
-                    self._headers.pop(block_id, None)
+                    self._files.invalidate(block_id)
                 else:  # a bad block: remove it so the next turn rewrites it
                     self._drop_locked(block_id)
                     metrics.EVICTIONS.inc()
@@ -443,34 +540,59 @@ class KVStore:
         v_out: torch.Tensor | None = None,
     ) -> LayerRead:
         """Layer `layer` of `ids` (one range read per block): K, V of the valid prefix."""
+        k_out, v_out = self._layer_out(len(ids), layer, k_out, v_out)
+        with self.open_run(ids) as run:
+            return self._read_layer(run, 0, run.valid_blocks, layer, k_out, v_out, run.failed)
+
+    def read_run_layer(
+        self,
+        run: OpenRun,
+        layer: int,
+        a: int = 0,
+        b: int | None = None,
+        k_out: torch.Tensor | None = None,
+        v_out: torch.Tensor | None = None,
+    ) -> LayerRead:
+        """Layer `layer` of blocks [a, b) of an open run's valid prefix (a read queue's
+        chunk): validated once per run instead of once per layer."""
+        b = run.valid_blocks if b is None else b
+        if not 0 <= a <= b <= run.valid_blocks:
+            raise ValueError(f"blocks [{a}, {b}) outside the run's {run.valid_blocks}")
+        k_out, v_out = self._layer_out(b - a, layer, k_out, v_out)
+        return self._read_layer(run, a, b, layer, k_out, v_out, [])
+
+    def _layer_out(
+        self, n: int, layer: int, k_out: torch.Tensor | None, v_out: torch.Tensor | None
+    ) -> LayerKV:
         lo = self.layout
-        offset = lo.layer_offset(layer)
+        lo.layer_offset(layer)  # refuse a bad layer before any I/O
         dtype = TORCH_DTYPES[lo.dtype]
-        n_tok = len(ids) * lo.block_tokens
+        n_tok = n * lo.block_tokens
         if k_out is None:
             k_out = torch.empty((n_tok, lo.k_heads, lo.k_dim), dtype=dtype)
         if v_out is None:
             v_out = torch.empty((n_tok, lo.v_heads, lo.v_dim), dtype=dtype)
         if k_out.shape[0] < n_tok or v_out.shape[0] < n_tok:
-            raise ValueError(f"k_out/v_out need {n_tok} token rows for {len(ids)} blocks")
-        k8, v8 = _u8(k_out), _u8(v_out)
-        opened, failed = self._open_valid(ids)
-        try:
-            batch = [
-                RangeRead(
-                    fd,
-                    offset,
-                    [
-                        k8[i * lo.k_bytes : (i + 1) * lo.k_bytes],
-                        v8[i * lo.v_bytes : (i + 1) * lo.v_bytes],
-                    ],
-                )
-                for i, (fd, _) in enumerate(opened)
-            ]
-            valid = self._read_verified(ids, batch, [h for _, h in opened], [layer], failed)
-        finally:
-            for fd, _ in opened:
-                os.close(fd)
+            raise ValueError(f"k_out/v_out need {n_tok} token rows for {n} blocks")
+        return k_out, v_out
+
+    def _read_layer(
+        self,
+        run: OpenRun,
+        a: int,
+        b: int,
+        layer: int,
+        k_out: torch.Tensor,
+        v_out: torch.Tensor,
+        failed: list[BlockFailure],
+    ) -> LayerRead:
+        lo = self.layout
+        entries, ids = run.entries[a:b], run.ids[a:b]
+        fds = np.fromiter((e.fd for e in entries), dtype=np.int64, count=len(entries))
+        batch = ReadBatch(
+            [_dest(k_out, "k_out"), _dest(v_out, "v_out")], layer_segments(lo, fds, layer)
+        )
+        valid = self._read_verified(ids, batch, entries, [layer], failed)
         if layer == 0:
             self._touch(ids[:valid])
         t = valid * lo.block_tokens
@@ -486,35 +608,25 @@ class KVStore:
         out = out.reshape(-1).view(torch.uint8)
         if out.numel() < need:
             raise ValueError(f"out holds {out.numel()} bytes; {n} blocks need {need}")
-        opened, failed = self._open_valid(ids)
-        try:
-            batch = []
-            for i, (fd, _) in enumerate(opened):
-                bufs = []
-                for layer in range(lo.layers):
-                    base = layer * n * lo.layer_bytes
-                    k0 = base + i * lo.k_bytes
-                    v0 = base + n * lo.k_bytes + i * lo.v_bytes
-                    bufs += [out[k0 : k0 + lo.k_bytes], out[v0 : v0 + lo.v_bytes]]
-                batch.append(RangeRead(fd, lo.header_bytes, bufs))
-            valid = self._read_verified(
-                ids, batch, [h for _, h in opened], list(range(lo.layers)), failed
-            )
-        finally:
-            for fd, _ in opened:
-                os.close(fd)
+        with self.open_run(ids) as run:
+            fds = np.fromiter((e.fd for e in run.entries), dtype=np.int64, count=len(run.entries))
+            batch = ReadBatch([out], block_segments(lo, fds))
+            failed = run.failed
+            valid = self._read_verified(run.ids, batch, run.entries, list(range(lo.layers)), failed)
         self._touch(ids[:valid])
         return BlockRead(out, lo, n, valid, failed)
 
     def _read_verified(
         self,
         ids: Sequence[BlockId],
-        batch: list[RangeRead],
-        headers: list[BlockHeader],
+        batch: ReadBatch,
+        opened: list[OpenBlock],
         layers: list[int],
         failed: list[BlockFailure],
     ) -> int:
-        if not batch:
+        """Read the batch (rows: per block, per layer, K then V) and verify every layer's
+        checksum; the length of the verified prefix."""
+        if not opened:
             return 0
         t0 = time.perf_counter()
         try:
@@ -523,11 +635,18 @@ class KVStore:
             failed.insert(0, self._miss(ids[0], "io_error", f"read failed: {err}", drop=False))
             return 0
         metrics.READ_SECONDS.labels(backend=self.backend.name).observe(time.perf_counter() - t0)
-        metrics.READ_BYTES.labels(backend=self.backend.name).inc(sum(r.nbytes for r in batch))
-        for i, (r, h) in enumerate(zip(batch, headers, strict=True)):
-            for j, layer in enumerate(layers):
-                k, v = r.buffers[2 * j], r.buffers[2 * j + 1]
-                if layer_checksum(k.numpy().data, v.numpy().data) != h.checksums[layer]:
+        metrics.READ_BYTES.labels(backend=self.backend.name).inc(
+            int(batch.segments[:, NBYTES].sum())
+        )
+        views = [memoryview(d.numpy()) for d in batch.dests]
+        rows = iter(batch.segments.tolist())
+        for i, entry in enumerate(opened):
+            checksums = entry.header.checksums
+            for layer in layers:
+                _, _, kn, kd, ko = next(rows)
+                _, _, vn, vd, vo = next(rows)
+                k, v = views[kd][ko : ko + kn], views[vd][vo : vo + vn]
+                if layer_checksum(k, v) != checksums[layer]:
                     failed.insert(
                         0,
                         self._miss(
@@ -538,10 +657,24 @@ class KVStore:
                         ),
                     )
                     return i
-        return len(batch)
+        return len(opened)
 
     def close(self) -> None:
+        self._files.close()
         self.backend.close()
+
+
+def _open_files_limit(wanted: int) -> int:
+    """At most a quarter of the process's fd limit goes to cached block files."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return max(1, wanted)
+    if soft == resource.RLIM_INFINITY:
+        return max(1, wanted)
+    return max(1, min(wanted, soft // 4))
 
 
 def _write_all(fd: int, view: memoryview) -> None:
