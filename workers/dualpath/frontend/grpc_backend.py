@@ -100,11 +100,8 @@ class GrpcBackend:
             )
         except grpc.aio.AioRpcError as err:
             raise BackendError(f"scheduler Route: {err.code().name}: {err.details()}") from None
-        path = _PATHS.get(route.read_path, "none") if hit else "none"
-        yield Routed(
-            route.request_id, route.prefill_node, route.decode_node, path, hit, route.policy
-        )
         generated, ok, reason = 0, False, "length"
+        routed = False
         try:
             call = self._worker(route.decode_address).Generate(
                 worker_pb2.GenerateRequest(
@@ -122,6 +119,18 @@ class GrpcBackend:
                 timeout=self.timeout_s,
             )
             async for msg in call:
+                if not routed:  # the first chunk says what served the turn (a bad block may
+                    routed = True  # have shortened the hit or turned it into a recompute)
+                    used = int(msg.hit_tokens)
+                    path = _PATHS.get(msg.read_path, "none") if used else "none"
+                    yield Routed(
+                        route.request_id,
+                        route.prefill_node,
+                        route.decode_node,
+                        path,
+                        used,
+                        route.policy,
+                    )
                 if msg.tokens:
                     generated += len(msg.tokens)
                     yield Tokens(list(msg.tokens))

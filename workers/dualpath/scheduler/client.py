@@ -55,7 +55,10 @@ class SchedulerClient:
         )
 
     async def cluster_view(self) -> pb.ClusterViewResponse:
-        return await self.stub.ClusterView(pb.ClusterViewRequest(), timeout=self.timeout_s)
+        # waits (within the deadline) for a scheduler that is restarting, like route()
+        return await self.stub.ClusterView(
+            pb.ClusterViewRequest(), timeout=self.timeout_s, wait_for_ready=True
+        )
 
     async def drain(self, node_id: str) -> bool:
         resp = await self.stub.Drain(pb.DrainRequest(node_id=node_id), timeout=self.timeout_s)
