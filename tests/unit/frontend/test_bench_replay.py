@@ -55,3 +55,39 @@ async def test_replay_sessions_hit_and_answers_match_across_policies(tmp_path) -
     assert "ratio" in table([s], 2.0)
     plot([s], str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+async def test_warmup_turns_are_replayed_first_and_left_out_of_the_summary() -> None:
+    fake = FakeBackend(CFG.spec.model, policy="dualpath")
+    app = create_app(CFG, fake)
+    trs = generate(
+        TraceSpec(
+            agents=3,
+            max_turns=3,
+            first_tokens=130,
+            mean_append_tokens=20,
+            mean_gen_tokens=2,
+            max_context_tokens=2048,
+            seed=2,
+        )
+    )
+    warm_calls: list[int] = []
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
+            res = await replay(
+                c,
+                trs,
+                CFG.spec.model.name,
+                CFG.spec.model.vocab_size,
+                seed=2,
+                warmup_turns=1,
+                on_warm=lambda: warm_calls.append(len(fake.turns)),
+            )
+    # the clock starts once, after every agent's first turn and before any second one
+    assert warm_calls == [len(trs)]
+    assert {r.turn for r in res if r.warmup} == {0}
+    assert all(r.cached_tokens > 0 for r in res if not r.warmup)
+    s = summarize("dualpath", res, 1.0, {"prefill": 0, "decode": 0}, 1.0)
+    assert s.turns == sum(len(t.turns) - 1 for t in trs)

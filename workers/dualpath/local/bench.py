@@ -320,6 +320,35 @@ def _bytes_by_path(workers: dict[str, str]) -> dict[str, int]:
     return out
 
 
+def replay_on(
+    frontend: str,
+    cfg: config.ClusterConfig,
+    trajectories: list[Trajectory],
+    args: argparse.Namespace,
+    progress: Progress,
+    warmup_turns: int | None = None,
+    on_warm: Callable[[], None] | None = None,
+) -> list[TurnResult]:
+    """`replay` against a running cluster's frontend, one connection per agent."""
+
+    async def go() -> list[TurnResult]:
+        limits = httpx.Limits(max_connections=len(trajectories) + 4)
+        async with httpx.AsyncClient(base_url=frontend, limits=limits) as client:
+            return await replay(
+                client,
+                trajectories,
+                cfg.spec.model.name,
+                cfg.spec.model.vocab_size,
+                args.seed,
+                args.think_scale,
+                progress,
+                warmup_turns=args.warmup_turns if warmup_turns is None else warmup_turns,
+                on_warm=on_warm,
+            )
+
+    return asyncio.run(go())
+
+
 def seed_storage(
     cfg: config.ClusterConfig, trajectories: list[Trajectory], args: argparse.Namespace, sink
 ) -> Path:
@@ -337,22 +366,8 @@ def seed_storage(
         scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
     ) as cluster:
         prog = Progress(sum(len(t.turns) for t in head), "warm-up", enabled=True)
-
-        async def go() -> list[TurnResult]:
-            limits = httpx.Limits(max_connections=len(head) + 4)
-            async with httpx.AsyncClient(
-                base_url=cluster.endpoints.frontend, limits=limits
-            ) as client:
-                return await replay(
-                    client,
-                    head,
-                    scfg.spec.model.name,
-                    scfg.spec.model.vocab_size,
-                    args.seed,
-                    progress=prog,
-                )
-
-        failed = [r for r in asyncio.run(go()) if not r.ok]
+        results = replay_on(cluster.endpoints.frontend, scfg, head, args, prog, warmup_turns=0)
+        failed = [r for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
     return seed
@@ -384,24 +399,9 @@ def run_policy(
             mark["before"] = _bytes_by_path(cluster.endpoints.workers)
             mark["t0"] = time.perf_counter()
 
-        async def go() -> list[TurnResult]:
-            limits = httpx.Limits(max_connections=len(trajectories) + 4)
-            async with httpx.AsyncClient(
-                base_url=cluster.endpoints.frontend, limits=limits
-            ) as client:
-                return await replay(
-                    client,
-                    trajectories,
-                    pcfg.spec.model.name,
-                    pcfg.spec.model.vocab_size,
-                    args.seed,
-                    args.think_scale,
-                    prog,
-                    warmup_turns=args.warmup_turns,
-                    on_warm=on_warm,
-                )
-
-        results = asyncio.run(go())
+        results = replay_on(
+            cluster.endpoints.frontend, pcfg, trajectories, args, prog, on_warm=on_warm
+        )
         elapsed = time.perf_counter() - mark["t0"]
         after = _bytes_by_path(cluster.endpoints.workers)
         before = mark["before"]

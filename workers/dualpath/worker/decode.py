@@ -31,8 +31,9 @@ from dualpath.transfer.engine import TransferError
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
+from dualpath.worker.kvstream import hit_notif, new_notif, send_hit_layer
 from dualpath.worker.layout import RequestLayout
-from dualpath.worker.prefill import PATH_NAMES, HitUnavailable, hit_notif, new_notif
+from dualpath.worker.prefill import PATH_NAMES, HitUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,16 @@ class DecodeRole:
             if path == "decode":
                 tasks = [
                     asyncio.create_task(
-                        self._stream_hit(handle, layout, hit_region, accepted, peer, rid, layer)
+                        send_hit_layer(
+                            transfer,
+                            handle,
+                            layout,
+                            hit_region,
+                            peer,
+                            accepted.prefill_hit.address,
+                            rid,
+                            layer,
+                        )
                     )
                     for layer in range(layout.layers)
                 ]
@@ -317,15 +327,3 @@ class DecodeRole:
                 handle.close()
             node.release(regions, clean=clean)
             transfer.discard_notifs(f"{rid}/".encode())
-
-    async def _stream_hit(self, handle, layout, hit_region, accepted, peer, rid, layer):  # noqa: ANN001
-        """Path D: once hit layer `layer` is read here, write it to the prefill node."""
-        await handle.layer(layer)
-        off = layer * layout.hit_layer_bytes
-        await self.node.transfer.write(
-            peer,
-            hit_region.address + off,
-            layout.hit_layer_bytes,
-            accepted.prefill_hit.address + off,
-            notif=hit_notif(rid, layer),
-        )

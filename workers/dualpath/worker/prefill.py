@@ -19,13 +19,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from dualpath.kv import KVLoadError, block_ids
 from dualpath.transfer.engine import TransferEngine
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
+from dualpath.worker.kvstream import RemoteHitSource, new_notif, send_hit_layer
 from dualpath.worker.layout import RequestLayout
 
 log = logging.getLogger(__name__)
@@ -33,36 +32,8 @@ log = logging.getLogger(__name__)
 PATH_NAMES = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
 
 
-def hit_notif(request_id: str, layer: int) -> bytes:
-    return f"{request_id}/hit/{layer}".encode()
-
-
-def new_notif(request_id: str, layer: int) -> bytes:
-    return f"{request_id}/new/{layer}".encode()
-
-
 class HitUnavailable(RuntimeError):
     """The hit KV could not be read (bad or vanished blocks): the caller recomputes."""
-
-
-class RemoteHitSource:
-    """Path D on the prefill node: layer l is ready when the decode node's WRITE notifies."""
-
-    def __init__(
-        self,
-        transfer: TransferEngine,
-        peer: str,
-        request_id: str,
-        layout: RequestLayout,
-        region: torch.Tensor,
-        deadline_s: float,
-    ) -> None:
-        self.transfer, self.peer, self.request_id = transfer, peer, request_id
-        self.layout, self.region, self.deadline_s = layout, region, deadline_s
-
-    async def layer(self, l: int):  # noqa: ANN201, E741 (LayerSource contract)
-        await self.transfer.wait_notif(self.peer, hit_notif(self.request_id, l), self.deadline_s)
-        return self.layout.hit_views(self.region, l)
 
 
 @dataclass
@@ -126,7 +97,16 @@ class PrefillRole:
                 source = handle
                 forward = [
                     asyncio.create_task(
-                        self._forward_hit(handle, layout, hit_region, req, peer, layer)
+                        send_hit_layer(
+                            transfer,
+                            handle,
+                            layout,
+                            hit_region,
+                            peer,
+                            req.decode_hit.address,
+                            rid,
+                            layer,
+                        )
                     )
                     for layer in range(layout.layers)
                 ]
@@ -217,15 +197,3 @@ class PrefillRole:
                 handle.close()
             node.release(regions, clean=ok)
             transfer.discard_notifs(f"{req.request_id}/".encode())
-
-    async def _forward_hit(self, handle, layout, hit_region, req, peer, layer) -> None:  # noqa: ANN001
-        """Path P: once hit layer `layer` is read locally, write it to the decode node."""
-        await handle.layer(layer)
-        off = layer * layout.hit_layer_bytes
-        await self.node.transfer.write(
-            peer,
-            hit_region.address + off,
-            layout.hit_layer_bytes,
-            req.decode_hit.address + off,
-            notif=hit_notif(req.request_id, layer),
-        )
