@@ -22,31 +22,45 @@ CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
 # CEL rules per schema path (dotted, under spec): (rule, message).
 CEL_RULES: dict[str, list[tuple[str, str]]] = {
     "": [
-        ("self.prefill.replicas == 0 || self.decode.replicas > 0",
-         "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands every "
-         "request's KV to a decode node"),
+        (
+            "self.prefill.replicas == 0 || self.decode.replicas > 0",
+            "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands every "
+            "request's KV to a decode node",
+        ),
     ],
     "model": [
-        ("!has(self.preset) || self.preset == null || self.preset in " + repr(sorted(MODEL_PRESETS)).replace("'", '"'),
-         "model.preset must be one of " + ", ".join(sorted(MODEL_PRESETS))
-         + " (or omit it and give the dimensions)"),
-        ("!has(self.kvHeads) || self.kvHeads == 0 || self.heads % self.kvHeads == 0",
-         "model.heads must be a multiple of model.kvHeads (grouped-query attention)"),
+        (
+            "!has(self.preset) || self.preset == null || self.preset in "
+            + repr(sorted(MODEL_PRESETS)).replace("'", '"'),
+            "model.preset must be one of "
+            + ", ".join(sorted(MODEL_PRESETS))
+            + " (or omit it and give the dimensions)",
+        ),
+        (
+            "!has(self.kvHeads) || self.kvHeads == 0 || self.heads % self.kvHeads == 0",
+            "model.heads must be a multiple of model.kvHeads (grouped-query attention)",
+        ),
     ],
     "network.qos": [
-        ("!self.enabled || self.model.serviceLevel != self.kv.serviceLevel",
-         "network.qos.model.serviceLevel and network.qos.kv.serviceLevel must differ, or KV "
-         "traffic is not isolated from the model's collectives"),
+        (
+            "!self.enabled || self.model.serviceLevel != self.kv.serviceLevel",
+            "network.qos.model.serviceLevel and network.qos.kv.serviceLevel must differ, or KV "
+            "traffic is not isolated from the model's collectives",
+        ),
     ],
     "network.rdma": [
-        ("self.count == 0 || self.resourceName.contains('/')",
-         "network.rdma.resourceName must be a device-plugin resource such as "
-         "rdma/hca_shared_devices_a"),
+        (
+            "self.count == 0 || self.resourceName.contains('/')",
+            "network.rdma.resourceName must be a device-plugin resource such as "
+            "rdma/hca_shared_devices_a",
+        ),
     ],
     "scheduler": [
-        ("self.nodeTimeoutMs > 2 * self.heartbeatIntervalMs",
-         "scheduler.nodeTimeoutMs must exceed twice scheduler.heartbeatIntervalMs, or healthy "
-         "nodes are dropped between heartbeats"),
+        (
+            "self.nodeTimeoutMs > 2 * self.heartbeatIntervalMs",
+            "scheduler.nodeTimeoutMs must exceed twice scheduler.heartbeatIntervalMs, or healthy "
+            "nodes are dropped between heartbeats",
+        ),
     ],
 }
 
@@ -87,8 +101,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if node.get("type") == "object" and node.get("additionalProperties") is True:
         node.pop("additionalProperties")
         node["x-kubernetes-preserve-unknown-fields"] = True
-    if node.get("type") == "object" and "properties" not in node and (
-        "additionalProperties" not in node
+    if (
+        node.get("type") == "object"
+        and "properties" not in node
+        and ("additionalProperties" not in node)
     ):
         node["x-kubernetes-preserve-unknown-fields"] = True
     return {k: _structural(v, defs) if k != "default" else v for k, v in node.items()}
@@ -127,10 +143,14 @@ def _conditions_schema() -> dict[str, Any]:
 
 
 def _pool_status() -> dict[str, Any]:
-    return {"type": "object", "properties": {
-        "replicas": {"type": "integer"}, "readyReplicas": {"type": "integer"},
-        "updatedReplicas": {"type": "integer"},
-    }}
+    return {
+        "type": "object",
+        "properties": {
+            "replicas": {"type": "integer"},
+            "readyReplicas": {"type": "integer"},
+            "updatedReplicas": {"type": "integer"},
+        },
+    }
 
 
 def cluster_crd() -> dict[str, Any]:
@@ -154,10 +174,17 @@ def cluster_crd() -> dict[str, Any]:
         ("Reason", '.status.conditions[?(@.type=="Ready")].reason', "string", "why"),
         ("Age", ".metadata.creationTimestamp", "date", "age"),
     ]
-    return _crd("DualPathCluster", "dualpathclusters", ["dpc"], {
-        "type": "object",
-        "properties": {"spec": spec_schema(), "status": status},
-    }, cols, scale=None)
+    return _crd(
+        "DualPathCluster",
+        "dualpathclusters",
+        ["dpc"],
+        {
+            "type": "object",
+            "properties": {"spec": spec_schema(), "status": status},
+        },
+        cols,
+        scale=None,
+    )
 
 
 def pool_crd() -> dict[str, Any]:
@@ -172,15 +199,21 @@ def pool_crd() -> dict[str, Any]:
                     "role": {"type": "string", "enum": ["prefill", "decode"]},
                     "replicas": {"type": "integer", "minimum": 0, "maximum": 4096},
                 },
-                "x-kubernetes-validations": [{
-                    "rule": "self.role == oldSelf.role && self.cluster == oldSelf.cluster",
-                    "message": "spec.role and spec.cluster of a DualPathPool are immutable",
-                }],
+                "x-kubernetes-validations": [
+                    {
+                        "rule": "self.role == oldSelf.role && self.cluster == oldSelf.cluster",
+                        "message": "spec.role and spec.cluster of a DualPathPool are immutable",
+                    }
+                ],
             },
-            "status": {"type": "object", "properties": {
-                "replicas": {"type": "integer"}, "readyReplicas": {"type": "integer"},
-                "selector": {"type": "string"},
-            }},
+            "status": {
+                "type": "object",
+                "properties": {
+                    "replicas": {"type": "integer"},
+                    "readyReplicas": {"type": "integer"},
+                    "selector": {"type": "string"},
+                },
+            },
         },
     }
     cols = [
@@ -189,8 +222,11 @@ def pool_crd() -> dict[str, Any]:
         ("Ready", ".status.readyReplicas", "integer", "ready workers"),
         ("Age", ".metadata.creationTimestamp", "date", "age"),
     ]
-    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-             "labelSelectorPath": ".status.selector"}
+    scale = {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     return _crd("DualPathPool", "dualpathpools", ["dpp"], schema, cols, scale)
 
 
@@ -201,23 +237,34 @@ def _crd(kind, plural, short, schema, cols, scale) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{API_GROUP}",
-                     "labels": {"app.kubernetes.io/part-of": "dualpath"}},
+        "metadata": {
+            "name": f"{plural}.{API_GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "dualpath"},
+        },
         "spec": {
             "group": API_GROUP,
             "scope": "Namespaced",
-            "names": {"kind": kind, "plural": plural, "singular": kind.lower(),
-                      "listKind": f"{kind}List", "shortNames": short,
-                      "categories": ["dualpath"]},
-            "versions": [{
-                "name": API_VERSION, "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": schema},
-                "subresources": subresources,
-                "additionalPrinterColumns": [
-                    {"name": n, "jsonPath": p, "type": t, "description": d}
-                    for n, p, t, d in cols
-                ],
-            }],
+            "names": {
+                "kind": kind,
+                "plural": plural,
+                "singular": kind.lower(),
+                "listKind": f"{kind}List",
+                "shortNames": short,
+                "categories": ["dualpath"],
+            },
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": subresources,
+                    "additionalPrinterColumns": [
+                        {"name": n, "jsonPath": p, "type": t, "description": d}
+                        for n, p, t, d in cols
+                    ],
+                }
+            ],
         },
     }
 

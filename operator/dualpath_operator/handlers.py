@@ -33,16 +33,22 @@ def configure(settings: kopf.OperatorSettings, **_):
     # for progress go to status.kopf, not into the spec.
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="dualpath.io", key="last-handled-configuration")
+        prefix="dualpath.io", key="last-handled-configuration"
+    )
 
 
 def _reconcile(body, patch, logger) -> None:
     try:
         result = rec.reconcile(api(), dict(body))
     except ConfigError as err:
-        status = compute_status(body.get("metadata", {}).get("generation", 0), "", {}, "",
-                                (body.get("status") or {}).get("conditions"),
-                                apply_error=f"invalid spec: {err}")
+        status = compute_status(
+            body.get("metadata", {}).get("generation", 0),
+            "",
+            {},
+            "",
+            (body.get("status") or {}).get("conditions"),
+            apply_error=f"invalid spec: {err}",
+        )
         patch.status.update(status)
         kopf.warn(body, reason="InvalidSpec", message=str(err))
         raise kopf.PermanentError(f"invalid spec: {err}") from None
@@ -55,8 +61,11 @@ def _reconcile(body, patch, logger) -> None:
     patch.status.update(result.status)
     is_ready = result.status["phase"] == "Ready"
     if is_ready != was_ready:
-        kopf.info(body, reason="Ready" if is_ready else "Progressing",
-                  message=result.status["conditions"][0]["message"])
+        kopf.info(
+            body,
+            reason="Ready" if is_ready else "Progressing",
+            message=result.status["conditions"][0]["message"],
+        )
     logger.info("reconciled %d children; phase %s", len(result.applied), result.status["phase"])
 
 
@@ -65,12 +74,16 @@ def _reconcile(body, patch, logger) -> None:
 @kopf.on.update(API_GROUP, API_VERSION, "dualpathclusters", field="spec")
 def cluster_changed(body, patch, logger, **_):
     _reconcile(body, patch, logger)
-    kopf.info(body, reason="Applied", message=f"children applied for generation "
-              f"{body.get('metadata', {}).get('generation')}")
+    kopf.info(
+        body,
+        reason="Applied",
+        message=f"children applied for generation {body.get('metadata', {}).get('generation')}",
+    )
 
 
-@kopf.timer(API_GROUP, API_VERSION, "dualpathclusters", interval=10, initial_delay=5,
-            idle=0, sharp=False)
+@kopf.timer(
+    API_GROUP, API_VERSION, "dualpathclusters", interval=10, initial_delay=5, idle=0, sharp=False
+)
 def cluster_resync(body, patch, logger, **_):
     """Level trigger: repair drift and refresh status from the children every 10 s."""
     _reconcile(body, patch, logger)

@@ -35,8 +35,11 @@ class KubeApi:
         res = self._res(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         out = res.server_side_apply(
-            body=obj, name=meta["name"], namespace=meta.get("namespace"),
-            field_manager=FIELD_MANAGER, force_conflicts=True,
+            body=obj,
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
         )
         return out.to_dict()
 
@@ -49,12 +52,16 @@ class KubeApi:
     def patch_status(self, api_version, kind, namespace, name, status) -> None:
         res = self._res(api_version, kind)
         res.status.patch(
-            body={"status": status}, name=name, namespace=namespace,
+            body={"status": status},
+            name=name,
+            namespace=namespace,
             content_type="application/merge-patch+json",
         )
 
     def patch_spec(self, api_version, kind, namespace, name, patch) -> None:
         self._res(api_version, kind).patch(
-            body=patch, name=name, namespace=namespace,
+            body=patch,
+            name=name,
+            namespace=namespace,
             content_type="application/merge-patch+json",
         )

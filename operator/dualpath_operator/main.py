@@ -6,10 +6,12 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--namespace", action="append",
-                        help="watch only these namespaces (default: all)")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
-                        help="kopf liveness endpoint")
+    parser.add_argument(
+        "--namespace", action="append", help="watch only these namespaces (default: all)"
+    )
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint"
+    )
     parser.add_argument("--metrics-port", type=int, default=9090)
 
 
@@ -22,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
     obs = ObservabilityServer(args.metrics_port).start()
     try:
         kopf.run(
-            standalone=True, clusterwide=not args.namespace, namespaces=args.namespace or [],
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or [],
             liveness_endpoint=args.liveness or None,
         )
     finally:

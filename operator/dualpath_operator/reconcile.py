@@ -27,10 +27,12 @@ FIELD_MANAGER = "dualpath-operator"
 class ClusterApi(Protocol):
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...
-    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     status: dict[str, Any]) -> None: ...
-    def patch_spec(self, api_version: str, kind: str, namespace: str, name: str,
-                   patch: dict[str, Any]) -> None: ...
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> None: ...
+    def patch_spec(
+        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> None: ...
 
 
 @dataclass
@@ -57,13 +59,21 @@ def reconcile(api: ClusterApi, body: dict[str, Any]) -> ReconcileResult:
     for role in (Role.PREFILL, Role.DECODE):
         w = workloads[role.value]
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(cfg, role.value).items())
-        api.patch_status("dualpath.io/v1alpha1", "DualPathPool", cfg.namespace,
-                         child_name(cfg, role.value),
-                         {"replicas": w.replicas, "readyReplicas": w.ready, "selector": selector})
+        api.patch_status(
+            "dualpath.io/v1alpha1",
+            "DualPathPool",
+            cfg.namespace,
+            child_name(cfg, role.value),
+            {"replicas": w.replicas, "readyReplicas": w.ready, "selector": selector},
+        )
     warnings = spec_warnings(cfg)
     status = compute_status(
-        meta.get("generation", 0), cfg.config_hash, workloads, scheduler_address(cfg),
-        (body.get("status") or {}).get("conditions"), warnings=warnings,
+        meta.get("generation", 0),
+        cfg.config_hash,
+        workloads,
+        scheduler_address(cfg),
+        (body.get("status") or {}).get("conditions"),
+        warnings=warnings,
     )
     if cfg.spec.frontend.replicas:
         status["frontendEndpoint"] = f"{child_name(cfg, 'frontend')}:{cfg.spec.frontend.port}"
@@ -75,15 +85,19 @@ def observe(api: ClusterApi, cfg: config.ClusterConfig) -> dict[str, WorkloadObs
     for role in (Role.PREFILL, Role.DECODE):
         name = child_name(cfg, role.value)
         out[role.value] = WorkloadObservation.from_object(
-            name, cfg.spec.pool(role).replicas,
-            api.get("apps/v1", "StatefulSet", cfg.namespace, name))
+            name,
+            cfg.spec.pool(role).replicas,
+            api.get("apps/v1", "StatefulSet", cfg.namespace, name),
+        )
     sched = child_name(cfg, "scheduler")
     out["scheduler"] = WorkloadObservation.from_object(
-        sched, cfg.spec.scheduler.replicas, api.get("apps/v1", "Deployment", cfg.namespace, sched))
+        sched, cfg.spec.scheduler.replicas, api.get("apps/v1", "Deployment", cfg.namespace, sched)
+    )
     if cfg.spec.frontend.replicas:
         fe = child_name(cfg, "frontend")
         out["frontend"] = WorkloadObservation.from_object(
-            fe, cfg.spec.frontend.replicas, api.get("apps/v1", "Deployment", cfg.namespace, fe))
+            fe, cfg.spec.frontend.replicas, api.get("apps/v1", "Deployment", cfg.namespace, fe)
+        )
     return out
 
 
@@ -99,8 +113,20 @@ def pool_scaled(api: ClusterApi, pool: dict[str, Any]) -> bool:
     current = ((body.get("spec") or {}).get(role) or {}).get("replicas")
     if current == replicas:
         return False
-    api.patch_spec("dualpath.io/v1alpha1", "DualPathCluster", ns, cluster,
-                   {"spec": {role: {"replicas": replicas}}})
-    log.info("pool %s scaled: %s/%s spec.%s.replicas %s -> %s",
-             pool["metadata"]["name"], ns, cluster, role, current, replicas)
+    api.patch_spec(
+        "dualpath.io/v1alpha1",
+        "DualPathCluster",
+        ns,
+        cluster,
+        {"spec": {role: {"replicas": replicas}}},
+    )
+    log.info(
+        "pool %s scaled: %s/%s spec.%s.replicas %s -> %s",
+        pool["metadata"]["name"],
+        ns,
+        cluster,
+        role,
+        current,
+        replicas,
+    )
     return True

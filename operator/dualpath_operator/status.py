@@ -27,30 +27,55 @@ class WorkloadObservation:
         if not obj:
             return cls(name, desired, exists=False)
         st = obj.get("status") or {}
-        return cls(name, desired, st.get("replicas", 0), st.get("readyReplicas", 0),
-                   st.get("updatedReplicas", st.get("replicas", 0)))
+        return cls(
+            name,
+            desired,
+            st.get("replicas", 0),
+            st.get("readyReplicas", 0),
+            st.get("updatedReplicas", st.get("replicas", 0)),
+        )
 
     @property
     def settled(self) -> bool:
         # Ready only when every pod runs the current template: old pods must not serve.
-        return self.exists and self.ready >= self.desired and self.updated >= self.desired and (
-            self.replicas == self.desired
+        return (
+            self.exists
+            and self.ready >= self.desired
+            and self.updated >= self.desired
+            and (self.replicas == self.desired)
         )
 
 
-def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
-               previous: dict[str, dict], now: str) -> dict[str, Any]:
+def _condition(
+    ctype: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: dict[str, dict],
+    now: str,
+) -> dict[str, Any]:
     status = "True" if ok else "False"
     prev = previous.get(ctype)
     since = prev["lastTransitionTime"] if prev and prev.get("status") == status else now
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since, "observedGeneration": generation}
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
 
 
 def compute_status(
-    generation: int, config_hash: str, workloads: dict[str, WorkloadObservation],
-    scheduler_endpoint: str, previous_conditions: list[dict] | None = None,
-    apply_error: str | None = None, warnings: list[str] | None = None,
+    generation: int,
+    config_hash: str,
+    workloads: dict[str, WorkloadObservation],
+    scheduler_endpoint: str,
+    previous_conditions: list[dict] | None = None,
+    apply_error: str | None = None,
+    warnings: list[str] | None = None,
     now: datetime | None = None,
 ) -> dict[str, Any]:
     stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -74,15 +99,26 @@ def compute_status(
     d_msg = apply_error or ("; ".join(warnings) if warnings else "no problems seen")
     conditions = [
         _condition("Ready", ready, r_reason, r_msg, generation, previous, stamp),
-        _condition("Progressing", not ready and not apply_error,
-                   r_reason if not ready else "Settled",
-                   r_msg if not ready else "nothing to roll out", generation, previous, stamp),
+        _condition(
+            "Progressing",
+            not ready and not apply_error,
+            r_reason if not ready else "Settled",
+            r_msg if not ready else "nothing to roll out",
+            generation,
+            previous,
+            stamp,
+        ),
         _condition("Degraded", degraded, d_reason, d_msg, generation, previous, stamp),
     ]
+
     def pool(key: str) -> dict[str, int]:
         w = workloads.get(key)
-        return {"replicas": w.replicas, "readyReplicas": w.ready, "updatedReplicas": w.updated} \
-            if w else {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+        return (
+            {"replicas": w.replicas, "readyReplicas": w.ready, "updatedReplicas": w.updated}
+            if w
+            else {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+        )
+
     return {
         "observedGeneration": generation,
         "phase": "Ready" if ready else ("Failed" if apply_error else "Progressing"),

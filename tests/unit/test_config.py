@@ -1,7 +1,6 @@
 """The cluster config model: presets, camelCase wire format, errors that name the field."""
 
 import pytest
-
 from dualpath import config
 
 

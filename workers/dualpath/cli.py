@@ -17,7 +17,10 @@ from dualpath.log import setup_logging
 # command -> (module, one-line help). "bench X" commands are nested under `bench`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dualpath.demo", "run the main job on the embedded local default"),
-    "up": ("dualpath.local.cli", "start a local cluster (scheduler, workers, frontend) as processes"),
+    "up": (
+        "dualpath.local.cli",
+        "start a local cluster (scheduler, workers, frontend) as processes",
+    ),
     "sim": ("dualpath.sim.cli", "cluster-scale discrete-event simulation of the policies"),
     "render": ("dualpath_operator.render_cli", "print the manifests a DualPathCluster turns into"),
     "operator": ("dualpath_operator.main", "run the kopf operator"),

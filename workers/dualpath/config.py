@@ -135,9 +135,21 @@ class ModelSpec(_Model):
         """Identifies the model's KV format: blocks of another fingerprint are misses."""
         dims = self.model_dump(
             include={
-                "name", "attention", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
-                "kv_lora_rank", "rope_head_dim", "dtype", "block_tokens", "seed",
-                "checkpoint_path", "vocab_size", "intermediate_size",
+                "name",
+                "attention",
+                "layers",
+                "hidden_size",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "kv_lora_rank",
+                "rope_head_dim",
+                "dtype",
+                "block_tokens",
+                "seed",
+                "checkpoint_path",
+                "vocab_size",
+                "intermediate_size",
             }
         )
         return hashlib.sha256(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:16]
@@ -146,29 +158,85 @@ class ModelSpec(_Model):
 # Presets: dims only. `tiny` is for tests (fast on CPU), `small` for benchmarks, the rest are
 # shapes of real models (KV sizes drive the simulator and the store benchmark).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(layers=4, hidden_size=64, heads=4, kv_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=512, dtype="float32"),
-    "small": dict(layers=8, hidden_size=512, heads=8, kv_heads=4, head_dim=64,
-                  intermediate_size=1408, vocab_size=4096, dtype="float32"),
+    "tiny": dict(
+        layers=4,
+        hidden_size=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        dtype="float32",
+    ),
+    "small": dict(
+        layers=8,
+        hidden_size=512,
+        heads=8,
+        kv_heads=4,
+        head_dim=64,
+        intermediate_size=1408,
+        vocab_size=4096,
+        dtype="float32",
+    ),
     # The store benchmark's default KV shape (Llama-3-8B-like): 32 layers, 8 KV heads, 128 dim, fp16.
-    "llama3-8b": dict(name="llama3-8b", layers=32, hidden_size=4096, heads=32, kv_heads=8,
-                      head_dim=128, intermediate_size=14336, vocab_size=128256,
-                      dtype="float16", active_params=8_000_000_000),
-    "qwen2.5-32b": dict(name="qwen2.5-32b", layers=64, hidden_size=5120, heads=40, kv_heads=8,
-                        head_dim=128, intermediate_size=27648, vocab_size=152064,
-                        dtype="bfloat16", active_params=32_500_000_000),
+    "llama3-8b": dict(
+        name="llama3-8b",
+        layers=32,
+        hidden_size=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        dtype="float16",
+        active_params=8_000_000_000,
+    ),
+    "qwen2.5-32b": dict(
+        name="qwen2.5-32b",
+        layers=64,
+        hidden_size=5120,
+        heads=40,
+        kv_heads=8,
+        head_dim=128,
+        intermediate_size=27648,
+        vocab_size=152064,
+        dtype="bfloat16",
+        active_params=32_500_000_000,
+    ),
     # DeepSeek-V3.2-like MLA (671B total, ~37B active): the cached latent per token per layer is
     # kv_lora_rank + rope_head_dim = 576 values (bf16 here: 1152 B; x61 layers = 70 KB/token).
-    "deepseek-v3.2": dict(name="deepseek-v3.2", attention="mla", layers=61, hidden_size=7168,
-                          heads=128, kv_heads=1, head_dim=128, kv_lora_rank=512,
-                          rope_head_dim=64, intermediate_size=18432, vocab_size=129280,
-                          dtype="bfloat16", active_params=37_000_000_000),
+    "deepseek-v3.2": dict(
+        name="deepseek-v3.2",
+        attention="mla",
+        layers=61,
+        hidden_size=7168,
+        heads=128,
+        kv_heads=1,
+        head_dim=128,
+        kv_lora_rank=512,
+        rope_head_dim=64,
+        intermediate_size=18432,
+        vocab_size=129280,
+        dtype="bfloat16",
+        active_params=37_000_000_000,
+    ),
     # A smaller DeepSeek-style MLA MoE, ~27B total / ~4B active (the paper's 27B; dims are ours:
     # 30 layers, hidden 3072, same 512+64 latent -> 34.5 KB/token in bf16).
-    "dsmla-27b": dict(name="dsmla-27b", attention="mla", layers=30, hidden_size=3072,
-                      heads=24, kv_heads=1, head_dim=128, kv_lora_rank=512, rope_head_dim=64,
-                      intermediate_size=8192, vocab_size=129280, dtype="bfloat16",
-                      active_params=4_000_000_000),
+    "dsmla-27b": dict(
+        name="dsmla-27b",
+        attention="mla",
+        layers=30,
+        hidden_size=3072,
+        heads=24,
+        kv_heads=1,
+        head_dim=128,
+        kv_lora_rank=512,
+        rope_head_dim=64,
+        intermediate_size=8192,
+        vocab_size=129280,
+        dtype="bfloat16",
+        active_params=4_000_000_000,
+    ),
 }
 
 

@@ -22,15 +22,22 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
         raise SystemExit(f"no .proto files under {PROTO_DIR}/dualpath/v1")
     include = Path(protoc.__file__).parent / "_proto"
     args = [
-        "protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}",
-        f"--grpc_python_out={out_dir}", f"--pyi_out={out_dir}", *map(str, protos),
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        *map(str, protos),
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     pkg = out_dir / "dualpath" / "v1"
     init = pkg / "__init__.py"
     if not init.exists():
-        init.write_text('"""Generated gRPC contracts (from proto/dualpath/v1, by `make proto`)."""\n')
+        init.write_text(
+            '"""Generated gRPC contracts (from proto/dualpath/v1, by `make proto`)."""\n'
+        )
     return sorted(pkg.glob("*_pb2*.py*"))
 
 

@@ -98,12 +98,15 @@ class TraceSpec:
 
 # The paper's three agentic traces (arXiv 2602.21548): max context, turns, append / gen means.
 TRACE_PRESETS: dict[str, dict[str, int]] = {
-    "32k": dict(max_context_tokens=32_768, max_turns=60, mean_append_tokens=610,
-                mean_gen_tokens=150),
-    "48k": dict(max_context_tokens=49_152, max_turns=106, mean_append_tokens=520,
-                mean_gen_tokens=165),
-    "64k": dict(max_context_tokens=65_536, max_turns=157, mean_append_tokens=430,
-                mean_gen_tokens=180),
+    "32k": dict(
+        max_context_tokens=32_768, max_turns=60, mean_append_tokens=610, mean_gen_tokens=150
+    ),
+    "48k": dict(
+        max_context_tokens=49_152, max_turns=106, mean_append_tokens=520, mean_gen_tokens=165
+    ),
+    "64k": dict(
+        max_context_tokens=65_536, max_turns=157, mean_append_tokens=430, mean_gen_tokens=180
+    ),
 }
 
 
@@ -138,8 +141,9 @@ def generate_one(spec: TraceSpec, index: int, start_s: float = 0.0) -> Trajector
             gen = max(1, spec.max_context_tokens - ctx - append)
         turns.append(Turn(append, gen, round(think, 6)))
         ctx += append + gen
-    return Trajectory(agent_id=f"a{index}", turns=turns, first_tokens=spec.first_tokens,
-                      start_s=start_s)
+    return Trajectory(
+        agent_id=f"a{index}", turns=turns, first_tokens=spec.first_tokens, start_s=start_s
+    )
 
 
 def generate(spec: TraceSpec, arrival_rate_per_s: float = 0.0) -> list[Trajectory]:
@@ -186,16 +190,22 @@ def stats(trajectories: list[Trajectory], block_tokens: int = 64) -> TraceStats:
         max_ctx = max(max_ctx, ctx)
     n = max(turns, 1)
     return TraceStats(
-        agents=len(trajectories), turns=turns, mean_turns=turns / max(len(trajectories), 1),
-        mean_append_tokens=appended / n, mean_gen_tokens=generated / n,
-        mean_prompt_tokens=prompt_sum / n, max_context_tokens=max_ctx,
+        agents=len(trajectories),
+        turns=turns,
+        mean_turns=turns / max(len(trajectories), 1),
+        mean_append_tokens=appended / n,
+        mean_gen_tokens=generated / n,
+        mean_prompt_tokens=prompt_sum / n,
+        max_context_tokens=max_ctx,
         hit_rate=hits / max(prompt_sum, 1),
     )
 
 
 def to_dict(tr: Trajectory) -> dict[str, object]:
     return {
-        "agent_id": tr.agent_id, "start_s": tr.start_s, "first_tokens": tr.first_tokens,
+        "agent_id": tr.agent_id,
+        "start_s": tr.start_s,
+        "first_tokens": tr.first_tokens,
         "turns": [asdict(t) for t in tr.turns],
     }
 
@@ -222,7 +232,8 @@ def from_dict(obj: dict[str, object], where: str = "trajectory") -> Trajectory:
             raise ValueError(f"{where}.turns[{i}]: lengths and think_s must be >= 0, not all 0")
         turns.append(Turn(append, gen, think))
     return Trajectory(
-        agent_id=str(obj.get("agent_id", where)), turns=turns,
+        agent_id=str(obj.get("agent_id", where)),
+        turns=turns,
         first_tokens=int(obj.get("first_tokens", 0)),  # type: ignore[arg-type]
         start_s=float(obj.get("start_s", 0.0)),  # type: ignore[arg-type]
     )

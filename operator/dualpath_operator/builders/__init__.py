@@ -43,8 +43,7 @@ def pool(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
         "apiVersion": API_VERSION_FULL,
         "kind": POOL_KIND,
         "metadata": metadata(cfg, child_name(cfg, role.value), role.value, owner),
-        "spec": {"cluster": cfg.name, "role": role.value,
-                 "replicas": cfg.spec.pool(role).replicas},
+        "spec": {"cluster": cfg.name, "role": role.value, "replicas": cfg.spec.pool(role).replicas},
     }
 
 
@@ -65,6 +64,15 @@ def render(cfg: ClusterConfig, owner: dict | None = None) -> list[dict[str, Any]
 
 
 __all__ = [
-    "CLUSTER_LABEL", "CONFIG_HASH_KEY", "POOL_KIND", "child_name", "config_map", "labels",
-    "opensm_qos_policy", "owner_reference", "pool", "qos_env", "render",
+    "CLUSTER_LABEL",
+    "CONFIG_HASH_KEY",
+    "POOL_KIND",
+    "child_name",
+    "config_map",
+    "labels",
+    "opensm_qos_policy",
+    "owner_reference",
+    "pool",
+    "qos_env",
+    "render",
 ]

@@ -67,10 +67,23 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         "command": ["dualpath"],
         "args": [
-            "worker", "--role", role.value, "-f", CONFIG_FILE, "--node-id", "$(POD_NAME)",
-            "--host", "0.0.0.0", "--port", str(WORKER_GRPC_PORT),
-            "--advertise", "$(POD_NAME)." + child_name(cfg, role.value),
-            "--scheduler", scheduler_address(cfg), "--metrics-port", str(METRICS_PORT),
+            "worker",
+            "--role",
+            role.value,
+            "-f",
+            CONFIG_FILE,
+            "--node-id",
+            "$(POD_NAME)",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(WORKER_GRPC_PORT),
+            "--advertise",
+            "$(POD_NAME)." + child_name(cfg, role.value),
+            "--scheduler",
+            scheduler_address(cfg),
+            "--metrics-port",
+            str(METRICS_PORT),
         ],
         "env": [
             *_downward_env(),
@@ -129,8 +142,11 @@ def control_pod_template(
         ],
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
         "readinessProbe": _probe("/health", "metrics"),
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                            "runAsUser": 65532},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+        },
     }
     return {
         "metadata": {

@@ -33,19 +33,21 @@ def opensm_qos_policy(network: NetworkSpec) -> str:
     high = ",".join(f"{i}:{0 if i == vl else 192}" for i in range(4))
     low = ",".join(f"{i}:{64 if i == vl else 192}" for i in range(4))
     sl2vl = ",".join(str(vl if sl == q.kv.service_level else min(sl, 3)) for sl in range(16))
-    return "\n".join([
-        "# DualPath IB QoS: model traffic (high priority) vs KV traffic (low priority).",
-        f"# Weights high:low = {q.high_weight}:{q.low_weight}; apply on the subnet manager.",
-        "qos TRUE",
-        "qos_max_vls 4",
-        "qos_high_limit 240",
-        f"qos_vlarb_high {high}",
-        f"qos_vlarb_low {low}",
-        f"qos_sl2vl {sl2vl}",
-        f"# model: SL {q.model.service_level} TC {q.model.traffic_class}; "
-        f"kv: SL {q.kv.service_level} TC {q.kv.traffic_class} -> VL {vl}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# DualPath IB QoS: model traffic (high priority) vs KV traffic (low priority).",
+            f"# Weights high:low = {q.high_weight}:{q.low_weight}; apply on the subnet manager.",
+            "qos TRUE",
+            "qos_max_vls 4",
+            "qos_high_limit 240",
+            f"qos_vlarb_high {high}",
+            f"qos_vlarb_low {low}",
+            f"qos_sl2vl {sl2vl}",
+            f"# model: SL {q.model.service_level} TC {q.model.traffic_class}; "
+            f"kv: SL {q.kv.service_level} TC {q.kv.traffic_class} -> VL {vl}",
+            "",
+        ]
+    )
 
 
 def qos_config_map(cfg: ClusterConfig, owner: dict[str, Any] | None) -> dict[str, Any]:

@@ -56,15 +56,25 @@ def worker_pdb(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, 
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(cfg, child_name(cfg, role.value), role.value, owner),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(cfg, role.value)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(cfg, role.value)},
+        },
     }
 
 
 def scheduler_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, Any]]:
     name = child_name(cfg, "scheduler")
     port = cfg.spec.scheduler.port
-    args = ["scheduler", "-f", CONFIG_FILE, "--port", str(port),
-            "--metrics-port", str(METRICS_PORT)]
+    args = [
+        "scheduler",
+        "-f",
+        CONFIG_FILE,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -95,14 +105,25 @@ def scheduler_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, 
 def frontend_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, Any]]:
     name = child_name(cfg, "frontend")
     fe = cfg.spec.frontend
-    args = ["frontend", "-f", CONFIG_FILE, "--host", "0.0.0.0", "--port", str(fe.port),
-            "--scheduler", scheduler_address(cfg)]
+    args = [
+        "frontend",
+        "-f",
+        CONFIG_FILE,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(fe.port),
+        "--scheduler",
+        scheduler_address(cfg),
+    ]
     template = control_pod_template(cfg, "frontend", args, fe.port, "http")
     # The frontend serves its own /health and /metrics on the HTTP port.
     container = template["spec"]["containers"][0]
     container["ports"] = [{"name": "http", "containerPort": fe.port}]
-    container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
-                                   "periodSeconds": 5}
+    container["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 5,
+    }
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

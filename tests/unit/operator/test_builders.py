@@ -18,7 +18,9 @@ def example():
 
 
 def by_kind(objs, kind, name=None):
-    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    return [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -41,9 +43,15 @@ def test_worker_pods_carry_rdma_networks_qos_and_shm(example):
         c = tpl["spec"]["containers"][0]
         assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
-        assert tpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "ib-cnic-0,ib-snic-0"
+        assert (
+            tpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "ib-cnic-0,ib-snic-0"
+        )
         env = {e["name"]: e.get("value") for e in c["env"]}
-        assert (env["NCCL_IB_SL"], env["UCX_IB_SL"], env["UCX_IB_ADDR_TYPE"]) == ("0", "2", "ib_global")
+        assert (env["NCCL_IB_SL"], env["UCX_IB_SL"], env["UCX_IB_ADDR_TYPE"]) == (
+            "0",
+            "2",
+            "ib_global",
+        )
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         shm = next(v for v in tpl["spec"]["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory"
@@ -58,9 +66,11 @@ def test_spec_change_rolls_pods_and_render_is_deterministic(example):
     a = render(example, OWNER)
     assert render(example, OWNER) == a
     changed = config.ClusterConfig(
-        name=example.name, namespace=example.namespace,
-        spec=config.parse_spec({**example.to_resource()["spec"],
-                                "scheduler": {"policy": "prefill-read"}}),
+        name=example.name,
+        namespace=example.namespace,
+        spec=config.parse_spec(
+            {**example.to_resource()["spec"], "scheduler": {"policy": "prefill-read"}}
+        ),
     )
     b = render(changed, OWNER)
 
@@ -89,7 +99,9 @@ def test_config_map_round_trips_to_the_same_config(example, tmp_path):
 def test_render_cli_prints_what_the_operator_applies(capsys):
     from dualpath.cli import main
 
-    assert main(["render", "-f", str(ROOT / "examples" / "dualpathcluster.yaml"), "--uid", "u"]) == 0
+    assert (
+        main(["render", "-f", str(ROOT / "examples" / "dualpathcluster.yaml"), "--uid", "u"]) == 0
+    )
     import yaml
 
     docs = list(yaml.safe_load_all(capsys.readouterr().out))

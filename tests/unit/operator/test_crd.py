@@ -30,7 +30,9 @@ def test_pool_crd_has_the_scale_subresource():
     assert sub["scale"]["labelSelectorPath"] == ".status.selector"
 
 
-@pytest.mark.parametrize("path", ["examples/dualpathcluster.yaml", "workers/dualpath/data/local.yaml"])
+@pytest.mark.parametrize(
+    "path", ["examples/dualpathcluster.yaml", "workers/dualpath/data/local.yaml"]
+)
 def test_examples_are_accepted(path):
     cr = yaml.safe_load((ROOT / path).read_text())
     assert admit(cr, crd.cluster_crd()) == []
@@ -41,11 +43,16 @@ BAD = [
     ({"prefill": {"replicas": -1}}, "replicas"),
     ({"prefill": {"replicas": 2}, "decode": {"replicas": 0}}, "decode.replicas must be at least 1"),
     ({"model": {"preset": "gpt-9"}}, "model.preset must be one of"),
-    ({"model": {"preset": None, "heads": 4, "kvHeads": 3, "layers": 2, "headDim": 8}},
-     "multiple of model.kvHeads"),
+    (
+        {"model": {"preset": None, "heads": 4, "kvHeads": 3, "layers": 2, "headDim": 8}},
+        "multiple of model.kvHeads",
+    ),
     ({"network": {"qos": {"kv": {"serviceLevel": 0, "trafficClass": 0}}}}, "must differ"),
     ({"network": {"rdma": {"resourceName": "rdma", "count": 1}}}, "device-plugin resource"),
-    ({"scheduler": {"heartbeatIntervalMs": 500, "nodeTimeoutMs": 600}}, "nodeTimeoutMs must exceed"),
+    (
+        {"scheduler": {"heartbeatIntervalMs": 500, "nodeTimeoutMs": 600}},
+        "nodeTimeoutMs must exceed",
+    ),
     ({"scheduler": {"policy": "fastest"}}, "policy"),
     ({"frontend": {"serviceType": "Ingress"}}, "serviceType"),
 ]
@@ -53,7 +60,11 @@ BAD = [
 
 @pytest.mark.parametrize("spec, needle", BAD)
 def test_bad_specs_are_refused_with_a_readable_message(spec, needle):
-    cr = {"apiVersion": "dualpath.io/v1alpha1", "kind": "DualPathCluster",
-          "metadata": {"name": "x"}, "spec": spec}
+    cr = {
+        "apiVersion": "dualpath.io/v1alpha1",
+        "kind": "DualPathCluster",
+        "metadata": {"name": "x"},
+        "spec": spec,
+    }
     errors = admit(cr, crd.cluster_crd())
     assert errors and any(needle in e for e in errors), errors

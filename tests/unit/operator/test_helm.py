@@ -12,8 +12,9 @@ CHART = ROOT / "charts" / "dualpath"
 
 
 def helm(tools, *args):
-    return subprocess.run([str(tools / "helm"), *args], check=True, capture_output=True,
-                          text=True, timeout=120).stdout
+    return subprocess.run(
+        [str(tools / "helm"), *args], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
 
 
 def test_helm_lint_strict(tools):
@@ -21,14 +22,18 @@ def test_helm_lint_strict(tools):
     assert "0 chart(s) failed" in out
 
 
-@pytest.mark.parametrize("values", [
-    [],
-    ["--set", "operator.watchNamespaces={team-a,team-b}"],
-    ["--set", "serviceMonitor.enabled=true", "--set", "serviceAccount.create=false"],
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        ["--set", "operator.watchNamespaces={team-a,team-b}"],
+        ["--set", "serviceMonitor.enabled=true", "--set", "serviceAccount.create=false"],
+    ],
+)
 def test_helm_template_is_valid_kubernetes(tools, values):
-    out = helm(tools, "template", "rel", str(CHART), "--namespace", "dualpath",
-               "--include-crds", *values)
+    out = helm(
+        tools, "template", "rel", str(CHART), "--namespace", "dualpath", "--include-crds", *values
+    )
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "ClusterRole", "CustomResourceDefinition"} <= kinds
@@ -45,6 +50,9 @@ def test_namespaced_install_binds_only_the_watched_namespaces(tools):
 
 
 def test_values_schema_refuses_bad_values(tools):
-    res = subprocess.run([str(tools / "helm"), "template", "rel", str(CHART), "--set",
-                          "image.pullPolicy=Sometimes"], capture_output=True, text=True)
+    res = subprocess.run(
+        [str(tools / "helm"), "template", "rel", str(CHART), "--set", "image.pullPolicy=Sometimes"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0 and "pullPolicy" in res.stderr

@@ -57,8 +57,14 @@ def test_first_pass_creates_children_and_reports_progressing():
     api = FakeApi()
     result = reconcile(api, cluster_body())
     kinds = sorted({k[1] for k in api.objects})
-    assert kinds == ["ConfigMap", "Deployment", "DualPathPool", "PodDisruptionBudget",
-                     "Service", "StatefulSet"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "DualPathPool",
+        "PodDisruptionBudget",
+        "Service",
+        "StatefulSet",
+    ]
     assert result.status["observedGeneration"] == 3
     ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == "RolloutInProgress"
@@ -89,7 +95,9 @@ def test_ready_only_when_every_pod_runs_the_current_template():
     status = reconcile(api, body).status
     assert status["phase"] == "Ready" and status["decode"]["readyReplicas"] == 8
     # A rollout: one decode pod still on the old template -> not Ready.
-    api.objects[("apps/v1", "StatefulSet", "default", "agents-decode")]["status"]["updatedReplicas"] = 7
+    api.objects[("apps/v1", "StatefulSet", "default", "agents-decode")]["status"][
+        "updatedReplicas"
+    ] = 7
     body["status"] = status
     status2 = reconcile(api, body).status
     ready = next(c for c in status2["conditions"] if c["type"] == "Ready")
@@ -102,7 +110,10 @@ def test_drift_is_repaired():
     reconcile(api, body)
     api.objects[("apps/v1", "StatefulSet", "default", "agents-prefill")]["spec"]["replicas"] = 1
     reconcile(api, body)
-    assert api.objects[("apps/v1", "StatefulSet", "default", "agents-prefill")]["spec"]["replicas"] == 4
+    assert (
+        api.objects[("apps/v1", "StatefulSet", "default", "agents-prefill")]["spec"]["replicas"]
+        == 4
+    )
 
 
 def test_kubectl_scale_on_a_pool_writes_through_to_the_cluster_spec():

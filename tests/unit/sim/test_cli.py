@@ -27,8 +27,21 @@ def test_tiny_offline_json_has_per_policy_results_and_ratios(capsys, tmp_path) -
 
 
 def test_online_reports_max_rate_under_the_sla(capsys) -> None:
-    out = _run(capsys, "--preset", "online", "--xs", "0.5,1", "--horizon", "40",
-               "--prefill", "1", "--decode", "1", "--policies", "dualpath,prefill-read,round-robin")
+    out = _run(
+        capsys,
+        "--preset",
+        "online",
+        "--xs",
+        "0.5,1",
+        "--horizon",
+        "40",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--policies",
+        "dualpath,prefill-read,round-robin",
+    )
     assert out["x"] == "agent_arrivals_per_s"
     assert out["ttft_sla_s"] == 4.0
     assert set(out["max_arrival_rate_meeting_sla"]) == {"dualpath", "prefill-read", "round-robin"}
@@ -36,8 +49,9 @@ def test_online_reports_max_rate_under_the_sla(capsys) -> None:
 
 
 def test_scale_reports_linearity(capsys) -> None:
-    out = _run(capsys, "--preset", "scale", "--xs", "1,2", "--horizon", "30",
-               "--policies", "dualpath")
+    out = _run(
+        capsys, "--preset", "scale", "--xs", "1,2", "--horizon", "30", "--policies", "dualpath"
+    )
     assert [p["decode_nodes"] for p in out["points"]] == [2, 4]
     assert len(out["scaling"]["dualpath"]["efficiency_vs_smallest"]) == 2
 

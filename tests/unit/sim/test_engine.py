@@ -16,8 +16,14 @@ def _storage_bound(prefill: int = 1, decode: int = 2, agents: int = 96, horizon:
     # Near-infinite GPUs and a slow SNIC: every turn's time is its storage read.
     hw = Hardware(gpu_tflops=1e6, snic_gbps=100, decode_overhead_s=0.0005)
     cost = CostModel.build(MODEL, hw)
-    spec = trace.TraceSpec(agents=agents, max_context_tokens=16_384, max_turns=12,
-                           mean_think_s=0.0, first_tokens=8_192, seed=1)
+    spec = trace.TraceSpec(
+        agents=agents,
+        max_context_tokens=16_384,
+        max_turns=12,
+        mean_think_s=0.0,
+        first_tokens=8_192,
+        seed=1,
+    )
     cfg = SimConfig(prefill, decode, hw, cost, horizon_s=horizon, mean_context_tokens=12_000)
     return cfg, trace.generate(spec), hw
 
@@ -80,8 +86,11 @@ def test_same_inputs_same_result() -> None:
     cfg, trs, _ = _storage_bound(agents=16, horizon=5.0)
     a = Simulator(cfg, get_policy("dualpath"), trs).run()
     b = Simulator(cfg, get_policy("dualpath"), trs).run()
-    assert (a.turns_done, a.read_bytes_decode, a.ttft_s) == (b.turns_done, b.read_bytes_decode,
-                                                             b.ttft_s)
+    assert (a.turns_done, a.read_bytes_decode, a.ttft_s) == (
+        b.turns_done,
+        b.read_bytes_decode,
+        b.ttft_s,
+    )
 
 
 def test_agent_group_scales_work_not_events() -> None:

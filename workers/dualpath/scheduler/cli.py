@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="override spec.scheduler.policy")
 
 
-def build(cfg: config.ClusterConfig, policy_name: str | None = None, host: str = "0.0.0.0",
-          port: int = 0):
+def build(
+    cfg: config.ClusterConfig, policy_name: str | None = None, host: str = "0.0.0.0", port: int = 0
+):
     from dualpath.scheduler.policy import get_policy, thresholds_from_spec
     from dualpath.scheduler.service import SchedulerServer, SchedulerServicer
     from dualpath.scheduler.state import SchedulerState
@@ -30,8 +31,10 @@ def build(cfg: config.ClusterConfig, policy_name: str | None = None, host: str =
     s = cfg.spec.scheduler
     cnic = cfg.spec.network.cnic_gbps * 1e9 / 8 if cfg.spec.network.cnic_gbps else 25.0e9
     state = SchedulerState(
-        get_policy(policy_name or s.policy.value), thresholds_from_spec(s),
-        node_timeout_s=s.node_timeout_ms / 1000.0, cnic_bytes_per_s=cnic,
+        get_policy(policy_name or s.policy.value),
+        thresholds_from_spec(s),
+        node_timeout_s=s.node_timeout_ms / 1000.0,
+        cnic_bytes_per_s=cnic,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
     return SchedulerServer(servicer, host, port)

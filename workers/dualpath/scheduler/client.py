@@ -18,15 +18,22 @@ from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 # Retries declared in the channel's service config, not in loops (grpc examples' habit).
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": "dualpath.v1.Scheduler"}],
-        "retryPolicy": {
-            "maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "1s",
-            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }]
-})
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "dualpath.v1.Scheduler"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -51,7 +58,8 @@ class SchedulerClient:
     async def complete(self, request_id: str, generated_tokens: int = 0, ok: bool = True) -> None:
         await self.stub.Complete(
             pb.CompleteRequest(request_id=request_id, generated_tokens=generated_tokens, ok=ok),
-            timeout=self.timeout_s, wait_for_ready=True,
+            timeout=self.timeout_s,
+            wait_for_ready=True,
         )
 
     async def cluster_view(self) -> pb.ClusterViewResponse:
@@ -88,8 +96,12 @@ class NodeAgent:
     """
 
     def __init__(
-        self, scheduler_address: str, reg: Registration, load: Callable[[], pb.NodeLoad],
-        interval_s: float = 0.02, rpc_timeout_s: float = 2.0,
+        self,
+        scheduler_address: str,
+        reg: Registration,
+        load: Callable[[], pb.NodeLoad],
+        interval_s: float = 0.02,
+        rpc_timeout_s: float = 2.0,
     ) -> None:
         self.reg = reg
         self.load = load
@@ -109,13 +121,18 @@ class NodeAgent:
         role = pb.ROLE_PREFILL if self.reg.role == "prefill" else pb.ROLE_DECODE
         resp = await self.stub.Register(
             pb.RegisterRequest(
-                node_id=self.reg.node_id, role=role, address=self.reg.address,
+                node_id=self.reg.node_id,
+                role=role,
+                address=self.reg.address,
                 transfer_address=self.reg.transfer_address,
                 snic_bytes_per_s=self.reg.snic_bytes_per_s,
-                prefill_tokens_per_s=self.reg.prefill_tokens_per_s, group=self.reg.group,
-                config_hash=self.reg.config_hash, load=self.load(),
+                prefill_tokens_per_s=self.reg.prefill_tokens_per_s,
+                group=self.reg.group,
+                config_hash=self.reg.config_hash,
+                load=self.load(),
             ),
-            timeout=self.rpc_timeout_s, wait_for_ready=True,
+            timeout=self.rpc_timeout_s,
+            wait_for_ready=True,
         )
         self.registrations += 1
         if resp.heartbeat_interval_ms:
@@ -138,16 +155,16 @@ class NodeAgent:
                 backoff = 0.05
                 async for ack in self.stub.Heartbeats(self._beats()):
                     if not ack.known:
-                        log.warning("scheduler does not know %s: registering again",
-                                    self.reg.node_id)
+                        log.warning(
+                            "scheduler does not know %s: registering again", self.reg.node_id
+                        )
                         break
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
                 if self._stopping.is_set():
                     break
-                log.warning("scheduler unreachable (%s); retry in %.2fs",
-                            err.code().name, backoff)
+                log.warning("scheduler unreachable (%s); retry in %.2fs", err.code().name, backoff)
             if self._stopping.is_set():
                 break
             await asyncio.sleep(backoff)

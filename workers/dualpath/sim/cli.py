@@ -34,16 +34,27 @@ BASELINE = "prefill-read"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(f"{p.name} ({p.help})" for p in PRESETS.values())
-    parser.add_argument("--preset", default="offline", choices=sorted(PRESETS),
-                        metavar="NAME", help=f"setup to run: {names}")
-    parser.add_argument("--policies", default="dualpath,prefill-read",
-                        help="comma-separated policy names (get_policy); baseline prefill-read")
+    parser.add_argument(
+        "--preset",
+        default="offline",
+        choices=sorted(PRESETS),
+        metavar="NAME",
+        help=f"setup to run: {names}",
+    )
+    parser.add_argument(
+        "--policies",
+        default="dualpath,prefill-read",
+        help="comma-separated policy names (get_policy); baseline prefill-read",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw throughput and TTFT per policy")
     parser.add_argument("--xs", help="override the preset's x axis (agents, rates or P nodes)")
     parser.add_argument("--trace", metavar="JSONL", help="replay a recorded trace (offline)")
-    parser.add_argument("--config", metavar="YAML",
-                        help="take model, pool sizes, snicGbps and cnicGbps from a cluster file")
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        help="take model, pool sizes, snicGbps and cnicGbps from a cluster file",
+    )
     parser.add_argument("--prefill", type=int, help="prefill nodes (override)")
     parser.add_argument("--decode", type=int, help="decode nodes (override)")
     parser.add_argument("--model", help="model preset (override), e.g. qwen2.5-32b")
@@ -52,11 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--horizon", type=float, help="simulated seconds to stop at")
     parser.add_argument("--agent-group", type=int, help="agents per simulated agent")
     parser.add_argument("--think", type=float, help="mean tool-call think time (s)")
-    parser.add_argument("--active-per-prefill", type=int,
-                        help="offline: agents running at once per prefill node (0 = all)")
+    parser.add_argument(
+        "--active-per-prefill",
+        type=int,
+        help="offline: agents running at once per prefill node (0 = all)",
+    )
     parser.add_argument("--ttft-sla", type=float, help="online TTFT SLA in s (default 4)")
-    parser.add_argument("--sla-percentile", type=float, default=90.0,
-                        help="TTFT percentile that must meet the SLA (default p90)")
+    parser.add_argument(
+        "--sla-percentile",
+        type=float,
+        default=90.0,
+        help="TTFT percentile that must meet the SLA (default p90)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -114,8 +132,9 @@ class _Setup:
                 hw = replace(hw, snic_gbps=spec.storage.snic_gbps)
             if spec.network.cnic_gbps:
                 hw = replace(hw, cnic_gbps=spec.network.cnic_gbps)
-            th = Thresholds(spec.scheduler.short_read_queue_seconds,
-                            spec.scheduler.overloaded_prefill_seconds)
+            th = Thresholds(
+                spec.scheduler.short_read_queue_seconds, spec.scheduler.overloaded_prefill_seconds
+            )
         else:
             model = ModelSpec(preset=model_name)
             th = Thresholds()
@@ -136,8 +155,9 @@ class _Setup:
         self.horizon = args.horizon if args.horizon else p.horizon_s
         self.group = args.agent_group or p.agent_group
         self.think = p.mean_think_s if args.think is None else args.think
-        self.active_per_prefill = (p.active_per_prefill if args.active_per_prefill is None
-                                   else args.active_per_prefill)
+        self.active_per_prefill = (
+            p.active_per_prefill if args.active_per_prefill is None else args.active_per_prefill
+        )
         self.sla = args.ttft_sla or p.ttft_sla_s
         self.sla_q = args.sla_percentile
         self.seed = args.seed
@@ -147,20 +167,36 @@ class _Setup:
     def trajectories(self, agents: int, rate: float = 0.0) -> list[trace.Trajectory]:
         if self.recorded is not None:
             return self.recorded
-        spec = trace.preset_spec(self.preset.trace, agents=max(1, agents),
-                                 mean_think_s=self.think, seed=self.seed)
+        spec = trace.preset_spec(
+            self.preset.trace, agents=max(1, agents), mean_think_s=self.think, seed=self.seed
+        )
         return trace.generate(spec, arrival_rate_per_s=rate)
 
-    def config(self, prefill: int, decode: int, horizon: float, warmup: float,
-               group: int, trs: list[trace.Trajectory]) -> SimConfig:
+    def config(
+        self,
+        prefill: int,
+        decode: int,
+        horizon: float,
+        warmup: float,
+        group: int,
+        trs: list[trace.Trajectory],
+    ) -> SimConfig:
         st = trace.stats(trs[:256], self.model.block_tokens)
         return SimConfig(
-            prefill_nodes=prefill, decode_nodes=decode, hardware=self.hw, cost=self.cost,
-            block_tokens=self.model.block_tokens, thresholds=self.thresholds,
-            horizon_s=horizon, warmup_s=warmup, mean_context_tokens=st.mean_prompt_tokens,
-            progress=self.progress, agent_group=group,
+            prefill_nodes=prefill,
+            decode_nodes=decode,
+            hardware=self.hw,
+            cost=self.cost,
+            block_tokens=self.model.block_tokens,
+            thresholds=self.thresholds,
+            horizon_s=horizon,
+            warmup_s=warmup,
+            mean_context_tokens=st.mean_prompt_tokens,
+            progress=self.progress,
+            agent_group=group,
             max_active_agents=max(1, self.active_per_prefill * prefill // group)
-            if self.active_per_prefill else 0,
+            if self.active_per_prefill
+            else 0,
         )
 
 
@@ -170,11 +206,15 @@ def _say(setup: _Setup, msg: str) -> None:
         sys.stderr.flush()
 
 
-def _run_one(setup: _Setup, policy: str, cfg: SimConfig, trs: list[trace.Trajectory],
-             label: str) -> SimResult:
+def _run_one(
+    setup: _Setup, policy: str, cfg: SimConfig, trs: list[trace.Trajectory], label: str
+) -> SimResult:
     r = Simulator(cfg, _policy(policy), trs).run()
-    _say(setup, f"{label} {policy}: {r.turns_done} turns, sim {r.sim_s:.1f} s, "
-                f"wall {r.wall_s:.2f} s, {r.tokens_per_s:.0f} tok/s")
+    _say(
+        setup,
+        f"{label} {policy}: {r.turns_done} turns, sim {r.sim_s:.1f} s, "
+        f"wall {r.wall_s:.2f} s, {r.tokens_per_s:.0f} tok/s",
+    )
     return r
 
 
@@ -214,18 +254,32 @@ def run_preset(setup: _Setup, policies: list[str]) -> dict[str, Any]:
             r = _run_one(setup, pol, cfg, trs, label)
             sim_total += r.sim_s
             per[pol] = _stats(r, online=mode != "offline")
-        points.append({"x": x, "prefill_nodes": cfg.prefill_nodes,
-                       "decode_nodes": cfg.decode_nodes, "agent_group": cfg.agent_group,
-                       "policies": per})
+        points.append(
+            {
+                "x": x,
+                "prefill_nodes": cfg.prefill_nodes,
+                "decode_nodes": cfg.decode_nodes,
+                "agent_group": cfg.agent_group,
+                "policies": per,
+            }
+        )
     out: dict[str, Any] = {
-        "preset": p.name, "mode": mode, "model": setup.model.name,
-        "kv_bytes_per_token": setup.model.kv_bytes_per_token, "trace": p.trace,
-        "x": {"offline": "agents", "online": "agent_arrivals_per_s",
-              "scale": "prefill_nodes"}[mode],
-        "hardware": {"snic_gbps": setup.hw.snic_gbps, "cnic_gbps": setup.hw.cnic_gbps,
-                     "cnic_kv_share": setup.hw.cnic_kv_share,
-                     "gpus_per_node": setup.hw.gpus_per_node},
-        "baseline": BASELINE, "points": points,
+        "preset": p.name,
+        "mode": mode,
+        "model": setup.model.name,
+        "kv_bytes_per_token": setup.model.kv_bytes_per_token,
+        "trace": p.trace,
+        "x": {"offline": "agents", "online": "agent_arrivals_per_s", "scale": "prefill_nodes"}[
+            mode
+        ],
+        "hardware": {
+            "snic_gbps": setup.hw.snic_gbps,
+            "cnic_gbps": setup.hw.cnic_gbps,
+            "cnic_kv_share": setup.hw.cnic_kv_share,
+            "gpus_per_node": setup.hw.gpus_per_node,
+        },
+        "baseline": BASELINE,
+        "points": points,
     }
     out.update(_summary(setup, policies, points))
     out["paper"] = p.paper
@@ -239,12 +293,17 @@ def _summary(setup: _Setup, policies: list[str], points: list[dict[str, Any]]) -
     ratios: dict[str, Any] = {}
     if "dualpath" in policies and BASELINE in policies:
         per_point = [
-            _ratio(pt["policies"]["dualpath"]["tokens_per_s"],
-                   pt["policies"][BASELINE]["tokens_per_s"]) for pt in points
+            _ratio(
+                pt["policies"]["dualpath"]["tokens_per_s"], pt["policies"][BASELINE]["tokens_per_s"]
+            )
+            for pt in points
         ]
         ratios["throughput_ratio_per_point"] = per_point
-        key = {"offline": "offline_throughput_ratio", "online": "online_throughput_ratio",
-               "scale": "throughput_ratio"}[mode]
+        key = {
+            "offline": "offline_throughput_ratio",
+            "online": "online_throughput_ratio",
+            "scale": "throughput_ratio",
+        }[mode]
         # The largest load point: where the cluster is saturated, as in the paper's headline.
         ratios[key] = per_point[-1]
         if mode == "offline":
@@ -257,9 +316,12 @@ def _summary(setup: _Setup, policies: list[str], points: list[dict[str, Any]]) -
         q = setup.sla_q
         best: dict[str, float | None] = {}
         for pol in policies:
-            ok = [pt["x"] for pt in points
-                  if (v := pt["policies"][pol].get(f"ttft_p{int(q)}_s")) is not None
-                  and v <= setup.sla]
+            ok = [
+                pt["x"]
+                for pt in points
+                if (v := pt["policies"][pol].get(f"ttft_p{int(q)}_s")) is not None
+                and v <= setup.sla
+            ]
             best[pol] = max(ok) if ok else None
         out["ttft_sla_s"] = setup.sla
         out["sla_percentile"] = q
@@ -270,11 +332,16 @@ def _summary(setup: _Setup, policies: list[str], points: list[dict[str, Any]]) -
         lin: dict[str, Any] = {}
         for pol in policies:
             base = points[0]["policies"][pol]["tokens_per_s"] / points[0]["prefill_nodes"]
-            eff = [round(pt["policies"][pol]["tokens_per_s"] / pt["prefill_nodes"] / base, 4)
-                   if base else None for pt in points]
-            lin[pol] = {"efficiency_vs_smallest": eff,
-                        "within_10pct_of_linear": all(e is not None and abs(e - 1) <= 0.1
-                                                      for e in eff)}
+            eff = [
+                round(pt["policies"][pol]["tokens_per_s"] / pt["prefill_nodes"] / base, 4)
+                if base
+                else None
+                for pt in points
+            ]
+            lin[pol] = {
+                "efficiency_vs_smallest": eff,
+                "within_10pct_of_linear": all(e is not None and abs(e - 1) <= 0.1 for e in eff),
+            }
         out["scaling"] = lin
     return out
 
@@ -311,8 +378,9 @@ def plot(result: dict[str, Any], path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     if not policies:
-        print("--policies: give at least one policy name, e.g. dualpath,prefill-read",
-              file=sys.stderr)
+        print(
+            "--policies: give at least one policy name, e.g. dualpath,prefill-read", file=sys.stderr
+        )
         return 2
     try:
         for pol in policies:
@@ -329,7 +397,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         r = result["ratios"]
-        print(f"{result['preset']} ({result['mode']}): ratios {json.dumps(r)}; "
-              f"paper {json.dumps(result['paper'])}; wall {result['wall_s']} s, "
-              f"simulated {result['sim_s']} s")
+        print(
+            f"{result['preset']} ({result['mode']}): ratios {json.dumps(r)}; "
+            f"paper {json.dumps(result['paper'])}; wall {result['wall_s']} s, "
+            f"simulated {result['sim_s']} s"
+        )
     return 0

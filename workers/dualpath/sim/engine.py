@@ -182,22 +182,36 @@ class Simulator:
         self.cnic_bw = hw.cnic_kv_bytes_per_s
         ptps = cfg.cost.prefill_tokens_per_s(cfg.mean_context_tokens)
         self.pre = [
-            _Prefill(NodeState(f"p{i}", "prefill", snic_bytes_per_s=self.snic_bw,
-                               prefill_tokens_per_s=ptps,
-                               buffer_free_bytes=hw.decode_kv_capacity_bytes))
+            _Prefill(
+                NodeState(
+                    f"p{i}",
+                    "prefill",
+                    snic_bytes_per_s=self.snic_bw,
+                    prefill_tokens_per_s=ptps,
+                    buffer_free_bytes=hw.decode_kv_capacity_bytes,
+                )
+            )
             for i in range(cfg.prefill_nodes)
         ]
         self.dec = [
-            _Decode(NodeState(f"d{i}", "decode", snic_bytes_per_s=self.snic_bw,
-                              prefill_tokens_per_s=ptps,
-                              buffer_free_bytes=hw.decode_kv_capacity_bytes))
+            _Decode(
+                NodeState(
+                    f"d{i}",
+                    "decode",
+                    snic_bytes_per_s=self.snic_bw,
+                    prefill_tokens_per_s=ptps,
+                    buffer_free_bytes=hw.decode_kv_capacity_bytes,
+                )
+            )
             for i in range(cfg.decode_nodes)
         ]
         self.p_index = {n.state.node_id: i for i, n in enumerate(self.pre)}
         self.d_index = {n.state.node_id: i for i, n in enumerate(self.dec)}
         self.view = ClusterView(
-            prefill=[n.state for n in self.pre], decode=[n.state for n in self.dec],
-            thresholds=cfg.thresholds, cnic_bytes_per_s=self.cnic_bw,
+            prefill=[n.state for n in self.pre],
+            decode=[n.state for n in self.dec],
+            thresholds=cfg.thresholds,
+            cnic_bytes_per_s=self.cnic_bw,
         )
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = 0
@@ -218,9 +232,13 @@ class Simulator:
         """Heartbeat: every node reports its read-queue backlog."""
         bw = self.snic_bw
         for n in self.pre:
-            n.state.read_pending_bytes = int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
+            n.state.read_pending_bytes = (
+                int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
+            )
         for n in self.dec:
-            n.state.read_pending_bytes = int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
+            n.state.read_pending_bytes = (
+                int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
+            )
         self.last_refresh_s = now
 
     def _new_turn(self, a: int, now: float) -> _Req:
@@ -243,9 +261,12 @@ class Simulator:
         w = req.w
         hit_bytes = req.hit * kvpt * w
         rr = RouteRequest(
-            request_id=f"{req.agent}.{req.turn}", prompt_tokens=req.prompt * w,
+            request_id=f"{req.agent}.{req.turn}",
+            prompt_tokens=req.prompt * w,
             hit_tokens=req.hit * w,
-            hit_bytes=hit_bytes, context_bytes=req.ctx_bytes, max_new_tokens=req.gen,
+            hit_bytes=hit_bytes,
+            context_bytes=req.ctx_bytes,
+            max_new_tokens=req.gen,
             session_id=str(req.agent),
         )
         self.decisions += 1
@@ -460,23 +481,36 @@ class Simulator:
                 for _, _, r in p.ready:
                     if r.arrive_s >= self.cfg.warmup_s:
                         self.ttft.append(horizon - r.arrive_s)
-            self.ttft.extend(horizon - r.arrive_s for r in self.waiting
-                             if r.arrive_s >= self.cfg.warmup_s)
+            self.ttft.extend(
+                horizon - r.arrive_s for r in self.waiting if r.arrive_s >= self.cfg.warmup_s
+            )
         # Bytes still queued on a SNIC at the end were admitted but not read: do not count them.
         bw = self.snic_bw
         self.read_p -= sum(int(max(0.0, n.snic_free_s - sim_s) * bw) for n in self.pre)
         self.read_d -= sum(int(max(0.0, n.snic_free_s - sim_s) * bw) for n in self.dec)
         busy = sum(min(p.busy_s, sim_s) for p in self.pre) / (len(self.pre) * sim_s or 1.0)
         return SimResult(
-            policy=self.policy.name, sim_s=sim_s, wall_s=wall, events=events,
-            decisions=self.decisions, waits=self.waits, turns_done=self.turns_done,
-            agents_done=self.agents_done, agents=len(self.trs) * self.cfg.agent_group,
+            policy=self.policy.name,
+            sim_s=sim_s,
+            wall_s=wall,
+            events=events,
+            decisions=self.decisions,
+            waits=self.waits,
+            turns_done=self.turns_done,
+            agents_done=self.agents_done,
+            agents=len(self.trs) * self.cfg.agent_group,
             gen_tokens=self.gen_tokens,
-            prompt_tokens=self.prompt_tokens, read_bytes_prefill=self.read_p,
-            read_bytes_decode=self.read_d, cnic_kv_bytes=self.cnic_bytes,
-            write_bytes=self.write_bytes, jct_s=self.last_done_s if all_done else math.nan,
-            ttft_s=self.ttft, tpot_s=self.tpot, prefill_busy=busy,
-            path_d_fraction=self._path_d_frac(), window_gen_tokens=self.window_gen_tokens,
+            prompt_tokens=self.prompt_tokens,
+            read_bytes_prefill=self.read_p,
+            read_bytes_decode=self.read_d,
+            cnic_kv_bytes=self.cnic_bytes,
+            write_bytes=self.write_bytes,
+            jct_s=self.last_done_s if all_done else math.nan,
+            ttft_s=self.ttft,
+            tpot_s=self.tpot,
+            prefill_busy=busy,
+            path_d_fraction=self._path_d_frac(),
+            window_gen_tokens=self.window_gen_tokens,
             warmup_s=self.cfg.warmup_s,
         )
 

@@ -38,8 +38,15 @@ class Hardware:
     weight_bytes_per_param: float = 1.0  # FP8 weights read per decode step
 
     def __post_init__(self) -> None:
-        for name in ("gpus_per_node", "gpu_tflops", "mfu", "hbm_gbytes_per_s", "snic_gbps",
-                     "cnic_gbps", "cnic_kv_share"):
+        for name in (
+            "gpus_per_node",
+            "gpu_tflops",
+            "mfu",
+            "hbm_gbytes_per_s",
+            "snic_gbps",
+            "cnic_gbps",
+            "cnic_kv_share",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Hardware.{name}: must be > 0 (got {getattr(self, name)!r})")
         if self.mfu > 1 or self.cnic_kv_share > 1:
