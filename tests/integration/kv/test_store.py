@@ -321,3 +321,29 @@ def test_open_files_cache_is_bounded(make_store, tmp_path, kvh):
         assert torch.equal(kvh.u8(r.k[256:]), kvh.u8(blocks[4][1][0]))
     finally:
         store.close()
+
+
+def test_read_failure_keeps_the_verified_prefix(tmp_path, tiny, kvh, monkeypatch):
+    from dualpath.kv import KVStore
+    from dualpath.kv import store as store_mod
+    from dualpath.kv.backend import PreadvBackend
+
+    class FailThird(PreadvBackend):
+        calls = 0
+
+        def read(self, batch):
+            FailThird.calls += 1
+            if FailThird.calls == 3:
+                raise OSError("EIO (test)")
+            super().read(batch)
+
+    store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=FailThird())
+    ids, blocks = kvh.fill(store, 4)
+    monkeypatch.setattr(store_mod, "_VERIFY_STEP_BYTES", 1)  # read + verify one block at a time
+    before = misses("io_error")
+    r = store.read_layer(ids, 1)
+    assert r.valid_blocks == 2 and r.failed[0].block_id == ids[2]
+    assert r.failed[0].reason == "io_error" and misses("io_error") == before + 1
+    assert torch.equal(kvh.u8(r.k), kvh.u8(torch.cat([b[1][0] for b in blocks[:2]])))
+    assert store.lookup(ids) == 4  # an I/O error is not the block's fault: nothing dropped
+    store.close()

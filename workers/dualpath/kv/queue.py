@@ -353,20 +353,27 @@ class ReadQueue:
                 self._inflight += 1
                 self._inflight_gauge.set(self._inflight)
             try:
-                k, v = handle._views(layer)
-                bt = lo.block_tokens
-                r = self.store.read_run_layer(
-                    handle._run, layer, a, b, k_out=k[a * bt : b * bt], v_out=v[a * bt : b * bt]
+                # flat K and V ranges of the request buffer (request_layer_views' layout)
+                n, buf = handle.requested_blocks, handle.buffer
+                base = layer * n * lo.layer_bytes
+                v0 = base + n * lo.k_bytes
+                got, failed = self.store.read_run_layer_into(
+                    handle._run,
+                    layer,
+                    a,
+                    b,
+                    buf[base + a * lo.k_bytes : base + b * lo.k_bytes],
+                    buf[v0 + a * lo.v_bytes : v0 + b * lo.v_bytes],
                 )
             finally:
                 with self._lock:
                     self._inflight -= 1
                     self._inflight_gauge.set(self._inflight)
-            self.read_bytes += r.valid_blocks * lo.layer_bytes
+            self.read_bytes += got * lo.layer_bytes
             # release before resolving: a consumer that saw the layer sees the bytes gone
             self._add_pending(-nbytes)
             released = True
-            handle._chunk_done(layer, a, r.valid_blocks, b - a, r.failed)
+            handle._chunk_done(layer, a, got, b - a, failed)
         finally:
             if not released:
                 self._add_pending(-nbytes)
