@@ -107,3 +107,26 @@ def test_render_cli_prints_what_the_operator_applies(capsys):
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     cfg = config.load(ROOT / "examples" / "dualpathcluster.yaml")
     assert docs == render(cfg, {"name": cfg.name, "uid": "u"})
+
+
+def test_every_rendered_container_command_is_one_the_cli_accepts(example):
+    """The operator's pods and the `dualpath` CLI agree: each rendered container's args parse
+    (argparse exits on an unknown flag), with Kubernetes' $(VAR) expansion stood in."""
+    from dualpath.cli import build_parser
+
+    containers = [
+        c
+        for obj in render(example, OWNER)
+        if obj["kind"] in ("StatefulSet", "Deployment")
+        for c in obj["spec"]["template"]["spec"]["containers"]
+    ]
+    assert {c["args"][0] for c in containers} >= {"worker", "scheduler", "frontend"}
+    for c in containers:
+        assert c["command"] == ["dualpath"]
+        args = [
+            a.replace("$(POD_NAME)", "pod-0").replace("$(POD_IP)", "10.0.0.1") for a in c["args"]
+        ]
+        parsed = build_parser(args).parse_args(args)
+        assert parsed._module  # a command module was chosen
+        if args[0] == "worker":
+            assert parsed.role in ("prefill", "decode") and parsed.scheduler
