@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 import yaml
@@ -180,3 +181,20 @@ async def test_a_corrupted_hit_block_is_recomputed_never_used(cluster, decode):
         assert head.hit_tokens < hit  # the bad block (and what follows) was not used
         # the bad block was dropped and the recomputed turn wrote it again: repaired
         assert decode.store.check(ids[:3]) == (3, [])
+
+
+async def test_transfer_info_names_the_agent_role_and_config(cluster, decode):
+    cfg, address = cluster
+    info = await decode.worker_stub(address).GetTransferInfo(wpb.TransferInfoRequest(), timeout=10)
+    assert info.role == spb.ROLE_PREFILL and info.node_id == "prefill-0"
+    assert info.agent.startswith("prefill-0-") and info.metadata
+    assert info.config_hash == cfg.config_hash
+    # and a prefill sent to a decode node is refused with a clear status
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await (
+            decode.worker_stub(decode.address)
+            .Prefill(wpb.PrefillRequest(request_id="x", prompt_tokens=[5, 6]), timeout=10)
+            .read()
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "decode node" in err.value.details()
