@@ -23,6 +23,4 @@ def run(args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     ns = parser.parse_args(["--out", args.out, "--plot", f"{args.out}/local.png"])
-    rc = bench.run(ns)
-    print(f"plot: {args.out}/local.png, JSON: {args.out}/result.json", flush=True)
-    return rc
+    return bench.run(ns)

@@ -522,7 +522,13 @@ def run(args: argparse.Namespace) -> int:
     (Path(args.out) / "result.json").write_text(json.dumps(doc, indent=2))
     if args.plot:
         plot(out, args.plot)
-    if not args.json:
-        print(table(out, ratio), file=sys.stderr)
-    print(json.dumps(doc, indent=None if args.json else 2))
+    if args.json:
+        print(json.dumps(doc))
+    else:  # for a person: the table, and where the details went
+        print(table(out, ratio))
+        print(f"same greedy answers across policies: {same} ({len(keys)} turns compared)")
+        print(
+            f"JSON: {Path(args.out) / 'result.json'}"
+            + (f", plot: {args.plot}" if args.plot else "")
+        )
     return 0 if all(r.failed == 0 for r in out) else 1
