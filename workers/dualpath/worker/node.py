@@ -151,7 +151,7 @@ class WorkerNode:
         self.transfer = TransferEngine(
             self.node_id,
             pool.kv_buffer_bytes,
-            link=ComputeLink.from_spec(spec.network),
+            link=ComputeLink.from_spec(spec.network, name=self.node_id),
             deadline_s=self.deadline_s,
         ).start()
         if self.role is Role.PREFILL:
