@@ -15,3 +15,15 @@ def setup_logging(level: str = "INFO", component: str | None = None) -> None:
         stream=sys.stderr,
         force=True,
     )
+
+
+def quiet_nixl_logs() -> None:
+    """NIXL logs INFO lines to stdout, which would corrupt `--json` output: send them through
+    our (stderr) logging at WARNING unless NIXL_LOG_LEVEL asks for more. Call it after
+    importing nixl_cu12 (its import installs the stdout handler)."""
+    nixl_log = logging.getLogger("nixl")
+    for h in list(nixl_log.handlers):
+        nixl_log.removeHandler(h)
+    nixl_log.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dualpath.kv import metrics
+from dualpath.log import quiet_nixl_logs
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class NixlBackend:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as err:
             raise NixlUnavailable(f"nixl_cu12 not importable: {err}") from err
-        _route_nixl_logs()
+        quiet_nixl_logs()
         name = f"dualpath-kv-{os.getpid()}-{threading.get_ident()}"
         try:
             agent = nixl_agent(
@@ -188,17 +189,6 @@ class NixlBackend:
         with self._lock:
             self._agents.clear()
         self._local = threading.local()
-
-
-def _route_nixl_logs() -> None:
-    """NIXL logs INFO lines to stdout, which would corrupt `--json` output: send them through
-    our (stderr) logging at WARNING unless NIXL_LOG_LEVEL asks for more."""
-    nixl_log = logging.getLogger("nixl")
-    for h in list(nixl_log.handlers):
-        nixl_log.removeHandler(h)
-    nixl_log.propagate = True
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        nixl_log.setLevel(logging.WARNING)
 
 
 def make_backend(name: str = "auto") -> ReadBackend:

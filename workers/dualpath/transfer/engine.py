@@ -29,6 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from dualpath.log import quiet_nixl_logs
 from dualpath.transfer import metrics
 from dualpath.transfer.pool import BufferPool
 
@@ -87,9 +88,7 @@ class TransferEngine:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as err:
             raise NixlUnavailable(f"nixl_cu12 not importable: {err}") from err
-        from dualpath.kv.backend import _route_nixl_logs
-
-        _route_nixl_logs()
+        quiet_nixl_logs()
         self.node_id = node_id
         self.name = f"{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.link = link
