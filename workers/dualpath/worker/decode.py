@@ -31,7 +31,7 @@ from dualpath.transfer.engine import TransferError
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
-from dualpath.worker.kvstream import hit_notif, new_notif, send_hit_layer
+from dualpath.worker.kvstream import hit_notif, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
 from dualpath.worker.prefill import PATH_NAMES, HitUnavailable
 
@@ -270,21 +270,9 @@ class DecodeRole:
             if not transfer.knows(peer):
                 transfer.add_peer(accepted.prefill_agent_metadata)
             if path == "decode":
-                tasks = [
-                    asyncio.create_task(
-                        send_hit_layer(
-                            transfer,
-                            handle,
-                            layout,
-                            hit_region,
-                            peer,
-                            accepted.prefill_hit.address,
-                            rid,
-                            layer,
-                        )
-                    )
-                    for layer in range(layout.layers)
-                ]
+                tasks = stream_hit_layers(
+                    transfer, handle, layout, hit_region, peer, accepted.prefill_hit.address, rid
+                )
             # a failed hit-layer read here ends the wait at once (gather raises the first error)
             done_msg, *_ = await asyncio.gather(anext(stream), *tasks)
             if done_msg.WhichOneof("kind") != "done":

@@ -8,6 +8,8 @@ decode -> prefill; path P: prefill -> decode), `<request>/new/<l>` for the new t
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from dualpath.transfer.engine import TransferEngine
@@ -44,6 +46,25 @@ async def send_hit_layer(
         dst_address + off,
         notif=hit_notif(request_id, layer),
     )
+
+
+def stream_hit_layers(
+    transfer: TransferEngine,
+    source,  # noqa: ANN001 (a LayerReadHandle filling `region`)
+    layout: RequestLayout,
+    region: Region,
+    peer: str,
+    dst_address: int,
+    request_id: str,
+) -> list[asyncio.Task]:
+    """One task per layer: each layer goes to the peer as soon as it has been read (the
+    caller awaits them and cancels what is left if the request fails)."""
+    return [
+        asyncio.create_task(
+            send_hit_layer(transfer, source, layout, region, peer, dst_address, request_id, layer)
+        )
+        for layer in range(layout.layers)
+    ]
 
 
 class RemoteHitSource:

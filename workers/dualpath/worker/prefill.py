@@ -24,7 +24,7 @@ from dualpath.transfer.engine import TransferEngine
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
-from dualpath.worker.kvstream import RemoteHitSource, new_notif, send_hit_layer
+from dualpath.worker.kvstream import RemoteHitSource, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
 
 log = logging.getLogger(__name__)
@@ -95,21 +95,9 @@ class PrefillRole:
                         f"unreadable ({', '.join(f.reason for f in handle.failed)})"
                     )
                 source = handle
-                forward = [
-                    asyncio.create_task(
-                        send_hit_layer(
-                            transfer,
-                            handle,
-                            layout,
-                            hit_region,
-                            peer,
-                            req.decode_hit.address,
-                            rid,
-                            layer,
-                        )
-                    )
-                    for layer in range(layout.layers)
-                ]
+                forward = stream_hit_layers(
+                    transfer, handle, layout, hit_region, peer, req.decode_hit.address, rid
+                )
             elif path == "decode":
                 source = RemoteHitSource(transfer, peer, rid, layout, hit_region.tensor, timeout)
             else:
