@@ -12,37 +12,37 @@ from dualpath.trace import TraceSpec, generate
 CFG = local_default()
 
 
-async def _replay(policy: str):
-    fake = FakeBackend(CFG.spec.model, policy=policy)
+async def _replay(fake: FakeBackend, trs, seed: int, **kw):
+    """`replay` against the real app over the in-memory fake cluster."""
     app = create_app(CFG, fake)
-    spec = TraceSpec(
-        agents=3,
-        max_turns=3,
-        first_tokens=200,
-        mean_append_tokens=70,
-        mean_gen_tokens=3,
-        max_context_tokens=2048,
-        seed=1,
-    )
-    trs = generate(spec)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t"
         ) as c:
-            res = await replay(
-                c,
-                trs,
-                CFG.spec.model.name,
-                CFG.spec.model.vocab_size,
-                seed=1,
-                progress=Progress(sum(len(t.turns) for t in trs), policy, False),
+            return await replay(
+                c, trs, CFG.spec.model.name, CFG.spec.model.vocab_size, seed=seed, **kw
             )
-    return trs, res
+
+
+async def _replay_policy(policy: str):
+    trs = generate(
+        TraceSpec(
+            agents=3,
+            max_turns=3,
+            first_tokens=200,
+            mean_append_tokens=70,
+            mean_gen_tokens=3,
+            max_context_tokens=2048,
+            seed=1,
+        )
+    )
+    progress = Progress(sum(len(t.turns) for t in trs), policy, False)
+    return trs, await _replay(FakeBackend(CFG.spec.model, policy=policy), trs, 1, progress=progress)
 
 
 async def test_replay_sessions_hit_and_answers_match_across_policies(tmp_path) -> None:
-    trs, a = await _replay("prefill-read")
-    _, b = await _replay("dualpath")
+    trs, a = await _replay_policy("prefill-read")
+    _, b = await _replay_policy("dualpath")
     assert len(a) == sum(len(t.turns) for t in trs) and all(r.ok for r in a)
     later = [r for r in a if r.turn > 0]
     assert later and all(r.cached_tokens > 0 for r in later)
@@ -59,7 +59,6 @@ async def test_replay_sessions_hit_and_answers_match_across_policies(tmp_path) -
 
 async def test_warmup_turns_are_replayed_first_and_left_out_of_the_summary() -> None:
     fake = FakeBackend(CFG.spec.model, policy="dualpath")
-    app = create_app(CFG, fake)
     trs = generate(
         TraceSpec(
             agents=3,
@@ -72,19 +71,9 @@ async def test_warmup_turns_are_replayed_first_and_left_out_of_the_summary() -> 
         )
     )
     warm_calls: list[int] = []
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
-        ) as c:
-            res = await replay(
-                c,
-                trs,
-                CFG.spec.model.name,
-                CFG.spec.model.vocab_size,
-                seed=2,
-                warmup_turns=1,
-                on_warm=lambda: warm_calls.append(len(fake.turns)),
-            )
+    res = await _replay(
+        fake, trs, 2, warmup_turns=1, on_warm=lambda: warm_calls.append(len(fake.turns))
+    )
     # the clock starts once, after every agent's first turn and before any second one
     assert warm_calls == [len(trs)]
     assert {r.turn for r in res if r.warmup} == {0}
