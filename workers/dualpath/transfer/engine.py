@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _POLL_BUSY_S = 0.0002  # notification poll period while someone waits
 _POLL_IDLE_S = 0.005
+_SPIN_S = 0.003  # poll a WRITE back to back this long (a few MiB at a few GB/s)
 
 
 class TransferError(RuntimeError):
@@ -192,16 +193,24 @@ class TransferEngine:
                 state = agent.transfer(handle)
             except Exception as err:
                 raise self._fail(peer, f"WRITE of {nbytes} bytes to {peer} failed: {err}") from err
-            delay = 0.0
+            # Without a progress thread the data moves while we poll (shared-memory copies run
+            # in progress calls): spin, yielding to other tasks, for as long as a layer-sized
+            # WRITE takes, then back off. A timed sleep is ~1 ms at least (epoll granularity).
+            spin_until = loop.time() + _SPIN_S
+            delay = 1e-4
             while state == "PROC":
-                if loop.time() > deadline:
+                now = loop.time()
+                if now > deadline:
                     raise self._fail(
                         peer,
                         f"WRITE of {nbytes} bytes to {peer} did not complete within its "
                         "deadline (peer dead or unreachable)",
                     )
-                await asyncio.sleep(delay)
-                delay = min(max(delay * 2, 2e-5), 1e-3)
+                if now < spin_until:
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1e-3)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise self._fail(peer, f"WRITE of {nbytes} bytes to {peer} failed (state {state})")
