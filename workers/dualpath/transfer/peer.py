@@ -122,24 +122,21 @@ class PeerProcess:
         self.nbytes: int = info["nbytes"]
 
     def call(self, op: str, timeout_s: float = 60.0, **kw: Any) -> dict:
-        self._conn.send({"op": op, **kw})
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"peer did not answer {op!r} within {timeout_s}s")
-        reply = self._conn.recv()
-        if not reply.pop("ok"):
-            raise RuntimeError(f"peer {op}: {reply['error']}")
-        return reply
+        """Send a command and wait for its answer."""
+        self.send(op, **kw)
+        return self.result(timeout_s, op)
 
     def send(self, op: str, **kw: Any) -> None:
         """Send a command without waiting (collect the answer with `result()`)."""
         self._conn.send({"op": op, **kw})
 
-    def result(self, timeout_s: float = 60.0) -> dict:
+    def result(self, timeout_s: float = 60.0, op: str = "") -> dict:
+        """The answer to the last command sent; raises the peer's error."""
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"peer did not answer within {timeout_s}s")
+            raise TimeoutError(f"peer did not answer {op or 'its command'} within {timeout_s}s")
         reply = self._conn.recv()
         if not reply.pop("ok"):
-            raise RuntimeError(f"peer: {reply['error']}")
+            raise RuntimeError(f"peer {op}: {reply['error']}".replace(" :", ":"))
         return reply
 
     def kill(self) -> None:
