@@ -11,6 +11,7 @@ from dualpath.engine import (
     MemorySource,
     SamplingParams,
     ThrottledSource,
+    TiledAttention,
     Transformer,
     load_checkpoint,
     save_checkpoint,
@@ -189,3 +190,72 @@ def test_prefill_runs_compute_off_the_loop(engine):
         return ticks
 
     assert asyncio.run(main()) > SPEC.layers
+
+
+def _sdpa_reference(q, k, v, hit_k, hit_v, scale):
+    n = q.shape[0]
+    keys, vals = torch.cat([hit_k, k]), torch.cat([hit_v, v])
+    mask = torch.arange(keys.shape[0])[None, :] <= torch.arange(n)[:, None] + hit_k.shape[0]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        vals.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).reshape(n, -1)
+
+
+@pytest.mark.parametrize("new,hit", [(1, 0), (5, 0), (19, 0), (3, 7), (8, 33), (21, 40), (1, 64)])
+def test_tiled_attention_matches_sdpa_whatever_the_cut(new, hit):
+    g = torch.Generator().manual_seed(new * 100 + hit)
+    q = torch.randn(new, 4, 16, generator=g)
+    k, v = torch.randn(new, 2, 16, generator=g), torch.randn(new, 2, 16, generator=g)
+    hk, hv = torch.randn(hit, 2, 16, generator=g), torch.randn(hit, 2, 16, generator=g)
+    want = _sdpa_reference(q, k, v, hk, hv, 0.25)
+    outs = []
+    for cuts in ([hit], [1] * hit, [hit // 3, hit - hit // 3]):
+        acc = TiledAttention(q, 2, 0.25, tile=8)
+        a = 0
+        for c in cuts:
+            acc.push(hk[a : a + c], hv[a : a + c])
+            a += c
+        acc.add_self(k, v)
+        outs.append(acc.result())
+    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=0)
+    # the tiles are counted from the hit's first token: the cut never changes a bit
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+async def test_prefill_over_pieces_attends_early_and_is_bit_identical(engine):
+    hit, new = 600, 37  # several 256-token tiles, a partial last one
+    x = toks(hit + new, seed=11)
+    ref_logits, ref_kv = engine.model.forward_full(x)
+    layers = [(k[:hit], v[:hit]) for k, v in ref_kv]
+    whole = engine.prefill(x[hit:], hit, MemorySource(layers))
+    kv_whole, logits_whole = await whole.collect()
+    pieces = engine.prefill(x[hit:], hit, ThrottledSource(layers, 2e9, piece_tokens=50))
+    kv_pieces, logits_pieces = await pieces.collect()
+    assert torch.equal(logits_whole, logits_pieces)
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(kv_whole, kv_pieces, strict=True)
+    )
+    torch.testing.assert_close(logits_pieces[0], ref_logits[-1], atol=1e-4, rtol=0)
+    # two of the three tiles of each layer were attended to before the layer had arrived
+    assert pieces.times.early_tiles == 2 * SPEC.layers
+    assert whole.times.early_tiles == 0
+
+
+async def test_prefill_rejects_a_short_piece_stream(engine):
+    x = toks(20)
+    _, kv = engine.model.forward_full(x)
+
+    class Short(MemorySource):
+        async def layer_pieces(self, l):  # noqa: E741
+            k, v = self.kv_layers[l]
+            yield k[:8], v[:8]  # 8 of the 12 announced tokens
+
+    with pytest.raises(ValueError, match="has 8 tokens"):
+        await engine.prefill(x[12:], 12, Short([(k[:12], v[:12]) for k, v in kv])).collect()

@@ -7,6 +7,7 @@ from dualpath.engine import Engine, SamplingParams, MemorySource
 from dualpath.engine.decode import CacheFullError, PagedKVCache, SamplingParams, StepOutput, sample
 from dualpath.engine.engine import Engine
 from dualpath.engine.model import (
+    TiledAttention,
     Transformer,
     configure_threads,
     load_checkpoint,
@@ -32,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "StepOutput",
     "ThrottledSource",
+    "TiledAttention",
     "Transformer",
     "configure_threads",
     "load_checkpoint",

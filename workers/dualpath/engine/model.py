@@ -84,6 +84,115 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * c + rot * s
 
 
+ATTENTION_TILE_TOKENS = 256
+
+
+class TiledAttention:
+    """Attention of the new tokens' queries over keys that arrive in pieces (online softmax).
+
+    The hit KV is consumed in fixed tiles of `tile` tokens counted from the hit's first token, so
+    a prefill can attend to the part of a layer that has arrived while the rest is still on the
+    wire, and the result does not depend on how the source cut the layer into pieces (path P and
+    path D give bit-identical outputs). Each tile gives a partial output and its log-sum-exp; the
+    partials are merged in tile order. The math runs in fp32 whatever the model dtype.
+
+        acc = TiledAttention(q, kv_heads, scale)
+        acc.push(k0, v0); acc.push(k1, v1)   # any cut; full tiles are computed as they fill
+        acc.add_self(k_new, v_new)           # the rest of the hit, then causal self-attention
+        out = acc.result()                   # (n, heads * head_dim)
+    """
+
+    def __init__(
+        self, q: torch.Tensor, kv_heads: int, scale: float, tile: int = ATTENTION_TILE_TOKENS
+    ) -> None:
+        n, heads, hd = q.shape
+        self.n, self.heads, self.kv_heads, self.hd = n, heads, kv_heads, hd
+        self.groups = heads // kv_heads
+        # head h reads kv head h // groups (HF repeat_kv): (kv_heads, groups, n, hd)
+        self.q = q.float().permute(1, 0, 2).reshape(kv_heads, self.groups, n, hd)
+        self.scale, self.tile = scale, tile
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        self.hit_tokens = 0  # pushed so far
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_tokens = 0
+
+    @property
+    def ready_tiles(self) -> int:
+        """Whole tiles pushed but not yet computed."""
+        return self._pending_tokens // self.tile
+
+    def push(self, k: torch.Tensor, v: torch.Tensor, compute: bool = True) -> None:
+        """Append hit keys/values (t, kv_heads, hd) in token order; compute the full tiles."""
+        if k.shape[0]:
+            self._pending.append((k, v))
+            self._pending_tokens += k.shape[0]
+            self.hit_tokens += k.shape[0]
+        if compute:
+            self.compute_ready()
+
+    def compute_ready(self, final: bool = False) -> None:
+        """Attend to every full pending tile (and, if `final`, to the last partial one)."""
+        if not self._pending_tokens or (self._pending_tokens < self.tile and not final):
+            return
+        k = (
+            torch.cat([p[0] for p in self._pending])
+            if len(self._pending) > 1
+            else self._pending[0][0]
+        )
+        v = (
+            torch.cat([p[1] for p in self._pending])
+            if len(self._pending) > 1
+            else self._pending[0][1]
+        )
+        end = k.shape[0] if final else k.shape[0] - k.shape[0] % self.tile
+        for a in range(0, end, self.tile):
+            self._merge(*self._partial(self.q, k[a : a + self.tile], v[a : a + self.tile]), 0)
+        rest = k.shape[0] - end
+        self._pending = [(k[end:], v[end:])] if rest else []
+        self._pending_tokens = rest
+
+    def add_self(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The rest of the hit, then the new tokens' own keys, causally (query i sees key <= i)."""
+        self.compute_ready(final=True)
+        n = self.n
+        for a in range(0, n, self.tile):
+            b = min(a + self.tile, n)
+            # only queries a.. see any key of this tile, and each sees key a at least (no NaN)
+            mask = torch.arange(a, b)[None, :] <= torch.arange(a, n)[:, None]
+            self._merge(*self._partial(self.q[:, :, a:], k[a:b], v[a:b], mask), a)
+
+    def result(self) -> torch.Tensor:
+        """(n, heads * hd) fp32: the merged attention output."""
+        assert self.out is not None, "add_self() first"
+        return self.out.reshape(self.heads, self.n, self.hd).transpose(0, 1).reshape(self.n, -1)
+
+    def _partial(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kt = k.float().permute(1, 2, 0)[:, None]  # (kv_heads, 1, hd, t)
+        s = torch.matmul(q, kt).mul_(self.scale)  # (kv_heads, groups, rows, t)
+        if mask is not None:
+            s.masked_fill_(~mask, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        p = s.sub_(lse).exp_()
+        return torch.matmul(p, v.float().permute(1, 0, 2)[:, None]), lse
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor, row0: int) -> None:
+        if self.out is None:
+            if row0:  # rows before row0 saw no key yet: out 0, lse -inf
+                self.out = self.q.new_zeros(self.q.shape)
+                self.lse = self.q.new_full((*self.q.shape[:3], 1), float("-inf"))
+            else:
+                self.out, self.lse = out, lse
+                return
+        assert self.lse is not None
+        o0, l0 = self.out[:, :, row0:], self.lse[:, :, row0:]
+        total = torch.logaddexp(l0, lse)
+        self.out[:, :, row0:] = o0 * (l0 - total).exp() + out * (lse - total).exp()
+        self.lse[:, :, row0:] = total
+
+
 class Transformer(nn.Module):
     """Weights plus the per-layer forward pieces; holds no KV itself."""
 
@@ -186,22 +295,17 @@ class Transformer(nn.Module):
         hit_k: torch.Tensor,
         hit_v: torch.Tensor,
     ) -> torch.Tensor:
-        """The rest of a prefill layer once the hit KV is here: causal attention + MLP."""
-        n = h.shape[0]
-        keys = torch.cat([hit_k.to(k.dtype), k]) if hit_k.shape[0] else k
-        vals = torch.cat([hit_v.to(v.dtype), v]) if hit_v.shape[0] else v
-        total = keys.shape[0]
-        # query i (position start+i) sees keys j <= start+i
-        mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + (total - n))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            vals.transpose(0, 1),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return self.finish(layer, h, out.transpose(0, 1).reshape(n, -1))
+        """The rest of a prefill layer with the whole hit KV at hand: causal attention + MLP."""
+        acc = TiledAttention(q, self.spec.kv_heads, self.scale)
+        acc.push(hit_k, hit_v)
+        return self.attend_tail(layer, h, acc, k, v)
+
+    def attend_tail(
+        self, layer: int, h: torch.Tensor, acc: TiledAttention, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Once every hit tile is in `acc`: the new tokens' causal self-attention + MLP."""
+        acc.add_self(k, v)
+        return self.finish(layer, h, acc.result().to(h.dtype))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from dualpath.engine.model import Transformer
+from dualpath.engine.model import TiledAttention, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,12 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 class LayerSource(Protocol):
-    """Hit KV arriving per layer: the store's read handle, or a stream from another node."""
+    """Hit KV arriving per layer: the store's read handle, or a stream from another node.
+
+    A source may also have `layer_pieces(l)`: an async iterator over layer l in token order, in
+    pieces whose concatenation is `layer(l)`; the prefill then attends to each full tile of the
+    hit while the rest of the layer is still arriving (its output is the same either way).
+    """
 
     async def layer(self, l: int) -> LayerKV: ...  # noqa: E741
 
@@ -57,21 +62,33 @@ class MemorySource:
 
 
 class ThrottledSource:
-    """In-memory hit KV that arrives like a link of `bytes_per_s`: layer by layer, in order.
+    """In-memory hit KV that arrives like a link of `bytes_per_s`: layer by layer, in order,
+    each layer in pieces of `piece_tokens` (a store block's worth by default).
 
     The transfer starts at `start()` (or the first `layer()` call) and proceeds on its own, as a
     stream from storage or another node would, whether or not the consumer is waiting.
     """
 
-    def __init__(self, kv_layers: Sequence[LayerKV], bytes_per_s: float) -> None:
+    def __init__(
+        self, kv_layers: Sequence[LayerKV], bytes_per_s: float, piece_tokens: int = 64
+    ) -> None:
         if bytes_per_s <= 0:
             raise ValueError("bytes_per_s must be > 0")
+        if piece_tokens <= 0:
+            raise ValueError("piece_tokens must be > 0")
         self.kv_layers = list(kv_layers)
         self.bytes_per_s = bytes_per_s
-        self._events: list[asyncio.Event] = []
+        self.piece_tokens = piece_tokens
+        self._events: list[list[asyncio.Event]] = []
         self._task: asyncio.Task | None = None
         self.started_at = 0.0
         self.finished_at = 0.0
+
+    def _cuts(self, l: int) -> list[tuple[int, int]]:  # noqa: E741
+        n = self.kv_layers[l][0].shape[0]
+        return [(a, min(a + self.piece_tokens, n)) for a in range(0, n, self.piece_tokens)] or [
+            (0, 0)
+        ]
 
     def layer_seconds(self, l: int) -> float:  # noqa: E741
         k, v = self.kv_layers[l]
@@ -79,22 +96,32 @@ class ThrottledSource:
 
     def start(self) -> None:
         if self._task is None:
-            self._events = [asyncio.Event() for _ in self.kv_layers]
+            layers = range(len(self.kv_layers))
+            self._events = [[asyncio.Event() for _ in self._cuts(i)] for i in layers]
             self.started_at = time.perf_counter()
             self._task = asyncio.ensure_future(self._transfer())
 
     async def _transfer(self) -> None:
         due = self.started_at
-        for l, ev in enumerate(self._events):  # noqa: E741
-            due += self.layer_seconds(l)
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            ev.set()
+        for l, events in enumerate(self._events):  # noqa: E741
+            n = max(1, self.kv_layers[l][0].shape[0])
+            for (a, b), ev in zip(self._cuts(l), events, strict=True):
+                due += self.layer_seconds(l) * (b - a) / n
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                ev.set()
         self.finished_at = time.perf_counter()
 
     async def layer(self, l: int) -> LayerKV:  # noqa: E741
         self.start()
-        await self._events[l].wait()
+        await self._events[l][-1].wait()
         return self.kv_layers[l]
+
+    async def layer_pieces(self, l: int) -> AsyncIterator[LayerKV]:  # noqa: E741
+        self.start()
+        k, v = self.kv_layers[l]
+        for (a, b), ev in zip(self._cuts(l), self._events[l], strict=True):
+            await ev.wait()
+            yield k[a:b], v[a:b]
 
     async def wait_all(self) -> None:
         self.start()
@@ -106,10 +133,29 @@ class ThrottledSource:
             self._task.cancel()
 
 
+class _LayerPieces:
+    """Layer l of a source as pieces in token order: the source's `layer_pieces(l)` when it has
+    one, else the whole layer as one piece, requested now (so it is fetched ahead)."""
+
+    def __init__(self, source: LayerSource, l: int) -> None:  # noqa: E741
+        pieces = getattr(source, "layer_pieces", None)
+        self._iter = pieces(l).__aiter__() if pieces is not None else None
+        self._whole = None if pieces is not None else asyncio.ensure_future(source.layer(l))
+
+    async def next(self) -> LayerKV | None:
+        if self._iter is not None:
+            return await anext(self._iter, None)
+        if self._whole is None:
+            return None
+        whole, self._whole = self._whole, None
+        return await whole
+
+
 @dataclass
 class PrefillTimes:
     compute_s: float = 0.0  # sum of compute-thread time
     wait_s: float = 0.0  # time spent waiting for hit KV with the compute thread idle
+    early_tiles: int = 0  # hit tiles attended to while the rest of their layer was arriving
     total_s: float = 0.0
     per_layer_wait_s: list[float] = field(default_factory=list)
 
@@ -152,35 +198,53 @@ class PrefillRun:
         self.times.compute_s += time.perf_counter() - t0
         return out
 
-    def _check(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:  # noqa: E741
+    def _check_piece(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:  # noqa: E741
         s = self.model.spec
-        want = (self.hit_tokens, s.kv_heads, s.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
+        want = (s.kv_heads, s.head_dim)
+        if tuple(k.shape[1:]) != want or k.shape != v.shape:
             raise ValueError(
                 f"layer {l} hit KV has shapes K{tuple(k.shape)} V{tuple(v.shape)}; "
-                f"expected {want} (hit_tokens, kv_heads, head_dim)"
+                f"expected ({self.hit_tokens}, {s.kv_heads}, {s.head_dim}) "
+                "(hit_tokens, kv_heads, head_dim)"
             )
 
     async def _run(self) -> None:
         model, n_layers = self.model, self.model.spec.layers
         t_start = time.perf_counter()
         try:
-            pending = asyncio.ensure_future(self.source.layer(0)) if n_layers else None
+            pending = _LayerPieces(self.source, 0) if n_layers else None
             h = await self._compute(model.embed, self.tokens)
             for l in range(n_layers):  # noqa: E741
                 # the projections need no hit KV: they run while layer l is still arriving
                 positions = torch.arange(self.hit_tokens, self.hit_tokens + h.shape[0])
                 q, k, v = await self._compute(model.qkv, l, h, positions)
-                t0 = time.perf_counter()
-                hit_k, hit_v = await pending
-                waited = time.perf_counter() - t0
+                acc = TiledAttention(q, model.spec.kv_heads, model.scale)
+                waited, last_tiles = 0.0, 0
+                assert pending is not None
+                while True:  # attend to each full tile of the hit as soon as it has arrived
+                    t0 = time.perf_counter()
+                    piece = await pending.next()
+                    waited += time.perf_counter() - t0
+                    if piece is None:
+                        break
+                    self.times.early_tiles += last_tiles  # more of the layer came after them
+                    self._check_piece(l, *piece)
+                    acc.push(*piece, compute=False)
+                    last_tiles = acc.ready_tiles
+                    if last_tiles:
+                        await self._compute(acc.compute_ready)
                 self.times.wait_s += waited
                 self.times.per_layer_wait_s.append(waited)
-                self._check(l, hit_k, hit_v)
-                # overlap: layer l+1 arrives while layer l computes
+                if acc.hit_tokens != self.hit_tokens:
+                    raise ValueError(
+                        f"layer {l} hit KV has {acc.hit_tokens} tokens; expected shape "
+                        f"({self.hit_tokens}, {model.spec.kv_heads}, {model.spec.head_dim}) "
+                        "(hit_tokens, kv_heads, head_dim)"
+                    )
+                # overlap: layer l+1 arrives while layer l finishes
                 if l + 1 < n_layers:
-                    pending = asyncio.ensure_future(self.source.layer(l + 1))
-                h = await self._compute(model.attend, l, h, q, k, v, hit_k, hit_v)
+                    pending = _LayerPieces(self.source, l + 1)
+                h = await self._compute(model.attend_tail, l, h, acc, k, v)
                 self._queue.put_nowait((l, k, v))
             last = h if self.all_logits else h[-1:]
             self.logits = await self._compute(model.head, last)
