@@ -328,14 +328,21 @@ def test_read_failure_keeps_the_verified_prefix(tmp_path, tiny, kvh, monkeypatch
     from dualpath.kv import store as store_mod
     from dualpath.kv.backend import PreadvBackend
 
-    class FailThird(PreadvBackend):
+    class FailThird(PreadvBackend):  # the third block read fails (both read paths)
         calls = 0
 
-        def read(self, batch):
+        def _fail_third(self):
             FailThird.calls += 1
             if FailThird.calls == 3:
                 raise OSError("EIO (test)")
+
+        def read(self, batch):
+            self._fail_third()
             super().read(batch)
+
+        def read_run(self, fd, views, offset):
+            self._fail_third()
+            super().read_run(fd, views, offset)
 
     store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=FailThird())
     ids, blocks = kvh.fill(store, 4)

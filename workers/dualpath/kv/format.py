@@ -190,7 +190,6 @@ def decode_header(buf: bytes, layout: BlockLayout, block_id: str) -> BlockHeader
 
 
 def layer_checksum(k: memoryview | bytes, v: memoryview | bytes) -> int:
-    h = xxhash.xxh3_64()
-    h.update(k)
+    h = xxhash.xxh3_64(k)  # XXH3-64 of K then V, streamed (python-xxhash drops the GIL)
     h.update(v)
     return h.intdigest()
