@@ -1,0 +1,25 @@
+"""`dualpath bench engine --quick` end to end: the figures it prints exist and are sane."""
+
+import json
+
+from dualpath.cli import main
+
+
+def test_bench_engine_quick_prints_every_figure(capsys):
+    assert main(["bench", "engine", "--preset", "tiny", "--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "overlap_ratio",
+        "overlap_ratio_median",
+        "compute_alone_s",
+        "load_alone_s",
+        "load_and_compute_s",
+        "compute_idle_waiting_s",
+        "ideal_whole_layer_ratio",
+        "overlap_ratio_at_equal_load",
+        "heldout_mean_rel_error",
+    ):
+        assert key in out, key
+    # sane, with room for a noisy machine: not far below the longer part, not far above serial
+    assert 0.5 < out["overlap_ratio"] <= out["serial_ratio"] * 1.5
+    assert out["compute_alone_s"] > 0 and out["load_alone_s"] > 0
