@@ -20,6 +20,10 @@ class GatedBackend(PreadvBackend):
         assert self.gate.wait(timeout=30)
         super().read(batch)
 
+    def read_run(self, fd, views, offset):
+        assert self.gate.wait(timeout=30)
+        super().read_run(fd, views, offset)
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -147,3 +151,46 @@ def test_snic_cap_accounting_on_injected_clock(make_store, kvh):
         # debt-based bucket: elapsed = (bytes - burst) / rate, so the cap holds to the burst
         assert clock.t == pytest.approx((nbytes - q.bucket.burst) / q.bucket.rate)
         assert 0.01 <= measured_gbps <= 0.01 * 1.2
+
+
+@pytest.mark.parametrize("max_group", [1, 2, 4])
+async def test_layer_groups_read_the_same_bytes(tmp_path, kvh, max_group):
+    from dualpath.config import ModelSpec
+    from dualpath.kv import KVStore
+
+    model = ModelSpec(preset="tiny", layers=9, block_tokens=8)  # groups 1, 1, 2, 4, 1
+    store = KVStore(tmp_path / "kv", model, 1 << 30, backend="preadv")
+    ids, blocks = kvh.fill(store, 5)
+    with ReadQueue(store, concurrency=2, chunk_blocks=2, max_group_layers=max_group) as q:
+        handle = q.submit(ids)
+        for layer in range(model.layers):
+            k, v = await handle.layer(layer)
+            assert torch.equal(kvh.u8(k), kvh.u8(torch.cat([b[layer][0] for b in blocks])))
+            assert torch.equal(kvh.u8(v), kvh.u8(torch.cat([b[layer][1] for b in blocks])))
+        assert q.pending_bytes == 0
+    store.close()
+
+
+async def test_corrupt_layer_inside_a_group_keeps_the_valid_prefix(tmp_path, kvh):
+    from dualpath.config import ModelSpec
+    from dualpath.kv import KVStore
+
+    model = ModelSpec(preset="tiny", layers=8, block_tokens=8)  # layer 5 is in group [4, 8)
+    store = KVStore(tmp_path / "kv", model, 1 << 30, backend="preadv")
+    ids, _ = kvh.fill(store, 4)
+    lo = store.layout
+    with open(store.path_of(ids[2]), "r+b") as f:  # flip a byte of block 2, layer 5, V
+        off = lo.layer_offset(5) + lo.k_bytes + 3
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with ReadQueue(store, concurrency=2, max_group_layers=4) as q:
+        handle = q.submit(ids)
+        with pytest.raises(KVLoadError) as err:
+            for layer in range(model.layers):
+                await handle.layer(layer)
+        assert err.value.valid_blocks == 2
+        assert err.value.failed[0].block_id == ids[2]
+        assert err.value.failed[0].reason == "checksum"
+    store.close()

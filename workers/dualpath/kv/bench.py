@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dualpath.config import ModelSpec
+from dualpath.config import ModelSpec, StorageSpec
 from dualpath.kv.backend import BACKENDS
 from dualpath.kv.ids import block_ids
 from dualpath.kv.queue import ReadQueue
@@ -39,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama3-8b", help="model preset (KV shape)")
     parser.add_argument("--blocks", type=int, default=48, help="blocks in the data set")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved read rounds")
-    parser.add_argument("--backend", default="auto", choices=BACKENDS)
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKENDS,
+        help="read backend (default: the product's, storage.useNixl: auto if true, else preadv)",
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="read queue workers")
     parser.add_argument(
         "--snic-gbps", type=float, default=0.0, help="also measure a queue capped at X Gbit/s"
@@ -87,6 +92,8 @@ async def _queue_read(
 
 def run(args: argparse.Namespace) -> int:
     model = ModelSpec(preset=args.preset)
+    if args.backend is None:
+        args.backend = "auto" if StorageSpec().use_nixl else "preadv"
     if args.blocks < 1 or args.rounds < 1:
         raise SystemExit("--blocks and --rounds must be >= 1")
     out = Path(args.out) if args.out else None

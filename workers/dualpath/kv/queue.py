@@ -40,6 +40,23 @@ log = logging.getLogger(__name__)
 
 _CHUNK_TARGET_BYTES = 16 << 20
 _SLEEP_SLICE_S = 0.05
+# Uncapped, later layers are read a few at a time: a block's layers are one run of its file,
+# so one syscall and one Python pass cover them (1.2-1.3x the throughput of single layers on
+# two workers here), while the first layers still come alone to keep the pipeline's fill one
+# layer's read.
+MAX_GROUP_LAYERS = 4
+
+
+def layer_groups(layers: int, max_group: int) -> list[tuple[int, int]]:
+    """[l0, l1) ranges covering `layers` in order, sized 1, 1, 2, 4, ... up to `max_group`."""
+    out, l0, size = [], 0, 1
+    while l0 < layers:
+        l1 = min(layers, l0 + size)
+        out.append((l0, l1))
+        if len(out) >= 2:
+            size = min(max_group, size * 2)
+        l0 = l1
+    return out
 
 
 class KVLoadError(RuntimeError):
@@ -232,6 +249,7 @@ class ReadQueue:
         snic_gbps: float = 0.0,
         name: str = "node",
         chunk_blocks: int | None = None,
+        max_group_layers: int = MAX_GROUP_LAYERS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -245,6 +263,9 @@ class ReadQueue:
         self.snic_gbps = snic_gbps
         self.bucket = TokenBucket.for_gbps(snic_gbps, clock) if snic_gbps > 0 else None
         self.chunk_blocks = chunk_blocks or max(1, _CHUNK_TARGET_BYTES // store.layout.layer_bytes)
+        if max_group_layers < 1:
+            raise ValueError("max_group_layers must be >= 1")
+        self.max_group_layers = max_group_layers
         self._sleep = sleep
         self._clock = clock
         self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvread-{name}")
@@ -317,16 +338,18 @@ class ReadQueue:
         chunks = [
             (a, min(a + self.chunk_blocks, valid)) for a in range(0, valid, self.chunk_blocks)
         ]
+        # capped (an emulated SNIC) the bucket is the bound: read layer by layer, smoothly
+        groups = layer_groups(lo.layers, 1 if self.bucket is not None else self.max_group_layers)
         with handle._lock:
             for layer in range(lo.layers):
                 handle._remaining[layer] = len(chunks)
             handle._run = run
-            handle._run_jobs = lo.layers * len(chunks)
-        for layer in range(lo.layers):
+            handle._run_jobs = len(groups) * len(chunks)
+        for l0, l1 in groups:
             for a, b in chunks:
-                nbytes = (b - a) * lo.layer_bytes
+                nbytes = (b - a) * lo.layer_bytes * (l1 - l0)
                 try:
-                    job = self._pool.submit(self._read_chunk, handle, layer, a, b)
+                    job = self._pool.submit(self._read_chunk, handle, l0, l1, a, b)
                 except RuntimeError:  # pool shut down by close()
                     self._add_pending(-nbytes)
                     handle._chunk_finished()
@@ -340,9 +363,9 @@ class ReadQueue:
             self._add_pending(-nbytes)
         handle._chunk_finished()
 
-    def _read_chunk(self, handle: LayerReadHandle, layer: int, a: int, b: int) -> None:
+    def _read_chunk(self, handle: LayerReadHandle, l0: int, l1: int, a: int, b: int) -> None:
         lo = self.store.layout
-        nbytes = (b - a) * lo.layer_bytes
+        nbytes = (b - a) * lo.layer_bytes * (l1 - l0)
         released = False
         try:
             if handle.closed or handle._error is not None:
@@ -355,25 +378,27 @@ class ReadQueue:
             try:
                 # flat K and V ranges of the request buffer (request_layer_views' layout)
                 n, buf = handle.requested_blocks, handle.buffer
-                base = layer * n * lo.layer_bytes
-                v0 = base + n * lo.k_bytes
-                got, failed = self.store.read_run_layer_into(
-                    handle._run,
-                    layer,
-                    a,
-                    b,
-                    buf[base + a * lo.k_bytes : base + b * lo.k_bytes],
-                    buf[v0 + a * lo.v_bytes : v0 + b * lo.v_bytes],
-                )
+                dests = []
+                for layer in range(l0, l1):
+                    base = layer * n * lo.layer_bytes
+                    v0 = base + n * lo.k_bytes
+                    dests.append(
+                        (
+                            buf[base + a * lo.k_bytes : base + b * lo.k_bytes],
+                            buf[v0 + a * lo.v_bytes : v0 + b * lo.v_bytes],
+                        )
+                    )
+                got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
             finally:
                 with self._lock:
                     self._inflight -= 1
                     self._inflight_gauge.set(self._inflight)
-            self.read_bytes += got * lo.layer_bytes
+            self.read_bytes += got * lo.layer_bytes * (l1 - l0)
             # release before resolving: a consumer that saw the layer sees the bytes gone
             self._add_pending(-nbytes)
             released = True
-            handle._chunk_done(layer, a, got, b - a, failed)
+            for layer in range(l0, l1):
+                handle._chunk_done(layer, a, got, b - a, failed)
         finally:
             if not released:
                 self._add_pending(-nbytes)

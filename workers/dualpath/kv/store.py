@@ -32,8 +32,6 @@ import torch
 from dualpath.config import ModelSpec
 from dualpath.kv import metrics
 from dualpath.kv.backend import (
-    FD,
-    FILE_OFFSET,
     NBYTES,
     ReadBackend,
     ReadBatch,
@@ -121,18 +119,26 @@ def request_layer_views(
 def layer_segments(layout: BlockLayout, fds: np.ndarray, layer: int) -> np.ndarray:
     """Segment table reading `layer` of blocks `fds` (in order) into two dests: K of every
     block back to back in dest 0, V in dest 1. Rows: K of block 0, V of block 0, K of block 1..."""
-    n = len(fds)
-    seg = np.empty((n, 2, 5), dtype=np.int64)
-    idx = np.arange(n, dtype=np.int64)
-    seg[:, :, 0] = fds[:, None]
-    seg[:, 0, 1] = layout.layer_offset(layer)
-    seg[:, 1, 1] = layout.layer_offset(layer) + layout.k_bytes
-    seg[:, 0, 2] = layout.k_bytes
-    seg[:, 1, 2] = layout.v_bytes
-    seg[:, 0, 3] = 0
-    seg[:, 1, 3] = 1
-    seg[:, 0, 4] = idx * layout.k_bytes
-    seg[:, 1, 4] = idx * layout.v_bytes
+    return layers_segments(layout, fds, layer, layer + 1)
+
+
+def layers_segments(layout: BlockLayout, fds: np.ndarray, l0: int, l1: int) -> np.ndarray:
+    """Segment table reading layers [l0, l1) of blocks `fds` into 2 dests a layer: K of layer
+    l0+j of every block back to back in dest 2j, V in dest 2j+1. Rows: block 0 layer l0 K, V,
+    block 0 layer l0+1 K, V, ...; each block's rows are one contiguous run of its file."""
+    n, g = len(fds), l1 - l0
+    seg = np.empty((n, g, 2, 5), dtype=np.int64)
+    blk = np.arange(n, dtype=np.int64)[:, None]
+    lay = np.arange(g, dtype=np.int64)[None, :]
+    seg[:, :, :, 0] = fds[:, None, None]
+    seg[:, :, 0, 1] = layout.layer_offset(l0) + lay * layout.layer_bytes
+    seg[:, :, 1, 1] = seg[:, :, 0, 1] + layout.k_bytes
+    seg[:, :, 0, 2] = layout.k_bytes
+    seg[:, :, 1, 2] = layout.v_bytes
+    seg[:, :, 0, 3] = 2 * lay
+    seg[:, :, 1, 3] = 2 * lay + 1
+    seg[:, :, 0, 4] = blk * layout.k_bytes
+    seg[:, :, 1, 4] = blk * layout.v_bytes
     return seg.reshape(-1, 5)
 
 
@@ -575,16 +581,42 @@ class KVStore:
     def read_run_layer_into(
         self, run: OpenRun, layer: int, a: int, b: int, k8: torch.Tensor, v8: torch.Tensor
     ) -> tuple[int, list[BlockFailure]]:
-        """`read_run_layer` into flat uint8 K and V destinations (the read queue's hot path:
-        no tensor views built per chunk): (valid blocks, failures)."""
+        """`read_run_layer` into flat uint8 K and V destinations: (valid blocks, failures)."""
+        return self.read_run_layers_into(run, layer, layer + 1, a, b, [(k8, v8)])
+
+    def read_run_layers_into(
+        self,
+        run: OpenRun,
+        l0: int,
+        l1: int,
+        a: int,
+        b: int,
+        dests: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[int, list[BlockFailure]]:
+        """Layers [l0, l1) of blocks [a, b) of an open run (the read queue's hot path):
+        dests[j] = flat uint8 (K, V) destinations of layer l0+j, blocks back to back.
+        (valid blocks, failures); a block is valid when all its layers here are."""
         lo = self.layout
-        lo.layer_offset(layer)
+        lo.layer_offset(l0)
+        if not l0 < l1 <= lo.layers or len(dests) != l1 - l0:
+            raise ValueError(f"layers [{l0}, {l1}) with {len(dests)} destinations")
         if not 0 <= a <= b <= run.valid_blocks:
             raise ValueError(f"blocks [{a}, {b}) outside the run's {run.valid_blocks}")
-        if k8.numel() < (b - a) * lo.k_bytes or v8.numel() < (b - a) * lo.v_bytes:
-            raise ValueError(f"k8/v8 too small for {b - a} blocks")
+        if any(
+            k.numel() < (b - a) * lo.k_bytes or v.numel() < (b - a) * lo.v_bytes for k, v in dests
+        ):
+            raise ValueError(f"a K/V destination is too small for {b - a} blocks")
         failed: list[BlockFailure] = []
-        return self._read_layer_u8(run, a, b, layer, k8, v8, failed), failed
+        entries, ids = run.entries[a:b], run.ids[a:b]
+        if reads_runs(self.backend):
+            valid = self._read_layers_runs(ids, entries, l0, dests, failed)
+        else:
+            fds = np.fromiter((e.fd for e in entries), dtype=np.int64, count=len(entries))
+            batch = ReadBatch([t for kv in dests for t in kv], layers_segments(lo, fds, l0, l1))
+            valid = self._read_verified(ids, batch, entries, list(range(l0, l1)), failed)
+        if l0 == 0:
+            self._touch(ids[:valid])
+        return valid, failed
 
     def _layer_out(
         self, n: int, layer: int, k_out: torch.Tensor | None, v_out: torch.Tensor | None
@@ -627,15 +659,8 @@ class KVStore:
         v8: torch.Tensor,
         failed: list[BlockFailure],
     ) -> int:
-        entries, ids = run.entries[a:b], run.ids[a:b]
-        if reads_runs(self.backend):
-            valid = self._read_layer_runs(ids, entries, layer, k8, v8, failed)
-        else:
-            fds = np.fromiter((e.fd for e in entries), dtype=np.int64, count=len(entries))
-            batch = ReadBatch([k8, v8], layer_segments(self.layout, fds, layer))
-            valid = self._read_verified(ids, batch, entries, [layer], failed)
-        if layer == 0:
-            self._touch(ids[:valid])
+        valid, more = self.read_run_layers_into(run, layer, layer + 1, a, b, [(k8, v8)])
+        failed.extend(more)
         return valid
 
     def read_blocks(self, ids: Sequence[BlockId], out: torch.Tensor | None = None) -> BlockRead:
@@ -649,10 +674,18 @@ class KVStore:
         if out.numel() < need:
             raise ValueError(f"out holds {out.numel()} bytes; {n} blocks need {need}")
         with self.open_run(ids) as run:
-            fds = np.fromiter((e.fd for e in run.entries), dtype=np.int64, count=len(run.entries))
-            batch = ReadBatch([out], block_segments(lo, fds))
             failed = run.failed
-            valid = self._read_verified(run.ids, batch, run.entries, list(range(lo.layers)), failed)
+            if reads_runs(self.backend):  # one read_run per block, all its layers
+                dests = [_flat_layer(out, lo, n, layer) for layer in range(lo.layers)]
+                valid = self._read_layers_runs(run.ids, run.entries, 0, dests, failed)
+            else:
+                fds = np.fromiter(
+                    (e.fd for e in run.entries), dtype=np.int64, count=len(run.entries)
+                )
+                batch = ReadBatch([out], block_segments(lo, fds))
+                valid = self._read_verified(
+                    run.ids, batch, run.entries, list(range(lo.layers)), failed
+                )
         self._touch(ids[:valid])
         return BlockRead(out, lo, n, valid, failed)
 
@@ -671,8 +704,6 @@ class KVStore:
         read just left in the CPU cache instead of fetching them from memory again."""
         if not opened:
             return 0
-        if reads_runs(self.backend) and _blocks_are_file_runs(batch, len(opened)):
-            return self._read_verified_per_block(ids, batch, opened, layers, failed)
         rows_per_block = 2 * len(layers)
         step = max(1, _VERIFY_STEP_BYTES // (len(layers) * self.layout.layer_bytes))
         views = [memoryview(d.numpy()) for d in batch.dests]
@@ -702,96 +733,59 @@ class KVStore:
                         return i
         return len(opened)
 
-    def _read_layer_runs(
+    def _read_layers_runs(
         self,
         ids: Sequence[BlockId],
         entries: list[OpenBlock],
-        layer: int,
-        k8: torch.Tensor,
-        v8: torch.Tensor,
+        l0: int,
+        dests: Sequence[tuple[torch.Tensor, torch.Tensor]],
         failed: list[BlockFailure],
     ) -> int:
-        """The read queue's hot path on a syscall backend: layer `layer` of each block, K and
-        V in one `read_run` (preadv), checked right after while the bytes are in L2. Kept to a few Python
-        steps per block on purpose: the read workers share the GIL, and every bytecode one
-        runs between its syscalls is time the other waits for it (this loop reads about 1.3x
-        faster than the generic segment-table path with two workers)."""
+        """The hot path on a syscall backend: layers l0.. of each block (one contiguous run of
+        its file) in one `read_run` (preadv), each layer checked right after, while its bytes
+        are in L2. Kept to a few Python steps per block on purpose: the read workers share the
+        GIL, and every bytecode one runs between its syscalls is time the other waits for."""
         lo = self.layout
-        off, kb, vb = lo.layer_offset(layer), lo.k_bytes, lo.v_bytes
-        kmv, vmv = memoryview(k8.numpy()), memoryview(v8.numpy())
+        off, kb, vb = lo.layer_offset(l0), lo.k_bytes, lo.v_bytes
+        mvs = [(memoryview(k.numpy()), memoryview(v.numpy())) for k, v in dests]
+        layers = list(enumerate(range(l0, l0 + len(dests))))
         read_run = self.backend.read_run  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         for i, entry in enumerate(entries):
-            k, v = kmv[i * kb : (i + 1) * kb], vmv[i * vb : (i + 1) * vb]
+            iov = []
+            for km, vm in mvs:
+                iov.append(km[i * kb : (i + 1) * kb])
+                iov.append(vm[i * vb : (i + 1) * vb])
             try:
-                read_run(entry.fd, [k, v], off)
+                read_run(entry.fd, iov, off)
             except OSError as err:
                 failed.insert(0, self._miss(ids[i], "io_error", f"read failed: {err}", drop=False))
                 return i
-            if layer_checksum(k, v) != entry.header.checksums[layer]:
-                failed.insert(0, self._checksum_miss(ids[i], layer))
-                return i
+            sums = entry.header.checksums
+            for j, layer in layers:
+                if layer_checksum(iov[2 * j], iov[2 * j + 1]) != sums[layer]:
+                    failed.insert(0, self._checksum_miss(ids[i], layer))
+                    return i
         self._read_seconds.observe(time.perf_counter() - t0)
-        self._read_bytes.inc(len(entries) * (kb + vb))
+        self._read_bytes.inc(len(entries) * len(dests) * (kb + vb))
         return len(entries)
 
     def _checksum_miss(self, block_id: BlockId, layer: int) -> BlockFailure:
         msg = f"block {block_id} layer {layer}: checksum mismatch"
         return self._miss(block_id, "checksum", msg, drop=True)
 
-    def _read_verified_per_block(
-        self,
-        ids: Sequence[BlockId],
-        batch: ReadBatch,
-        opened: list[OpenBlock],
-        layers: list[int],
-        failed: list[BlockFailure],
-    ) -> int:
-        """`_read_verified` for a syscall backend: one preadv per block (its rows are one run
-        of its file), each layer checked right after, while its bytes are in L2. Few Python
-        steps per block matter here: the read workers share the GIL, and every bytecode one
-        runs between syscalls is time the other waits for it."""
-        per_block = 2 * len(layers)
-        views = [memoryview(d.numpy()) for d in batch.dests]
-        rows = batch.segments.tolist()
-        pairs = list(enumerate(layers))
-        t0 = time.perf_counter()
-        for i, entry in enumerate(opened):
-            block = rows[i * per_block : (i + 1) * per_block]
-            iov = [views[dest][off : off + n] for _, _, n, dest, off in block]
-            try:
-                self.backend.read_run(block[0][FD], iov, block[0][FILE_OFFSET])  # type: ignore[attr-defined]
-            except OSError as err:
-                failed.insert(0, self._miss(ids[i], "io_error", f"read failed: {err}", drop=False))
-                return i
-            sums = entry.header.checksums
-            for j, layer in pairs:
-                if layer_checksum(iov[2 * j], iov[2 * j + 1]) != sums[layer]:
-                    failed.insert(0, self._checksum_miss(ids[i], layer))
-                    return i
-        self._read_seconds.observe(time.perf_counter() - t0)
-        self._read_bytes.inc(int(batch.segments[:, NBYTES].sum()))
-        return len(opened)
-
     def close(self) -> None:
         self._files.close()
         self.backend.close()
 
 
-def _blocks_are_file_runs(batch: ReadBatch, blocks: int) -> bool:
-    """True when each block's rows (an equal share of the table, in order) are one contiguous
-    range of one file, as `layer_segments` and `block_segments` build them."""
-    seg = batch.segments
-    if blocks == 0 or len(seg) % blocks:
-        return False
-    per = len(seg) // blocks
-    if per == 1:
-        return True
-    s = seg.reshape(blocks, per, 5)
-    return bool(
-        (s[:, 1:, FD] == s[:, :1, FD]).all()
-        and (s[:, 1:, FILE_OFFSET] == s[:, :-1, FILE_OFFSET] + s[:, :-1, NBYTES]).all()
-    )
+def _flat_layer(
+    buf: torch.Tensor, layout: BlockLayout, blocks: int, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat uint8 K and V ranges of `layer` in a request buffer (`request_layer_views`)."""
+    base = layer * blocks * layout.layer_bytes
+    v0 = base + blocks * layout.k_bytes
+    return buf[base:v0], buf[v0 : v0 + blocks * layout.v_bytes]
 
 
 def _open_files_limit(wanted: int) -> int:
