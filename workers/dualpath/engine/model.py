@@ -84,21 +84,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * c + rot * s
 
 
-ATTENTION_TILE_TOKENS = 256
+ATTENTION_TILE_TOKENS = 128
 
 
 class TiledAttention:
     """Attention of the new tokens' queries over keys that arrive in pieces (online softmax).
 
-    The hit KV is consumed in fixed tiles of `tile` tokens counted from the hit's first token, so
-    a prefill can attend to the part of a layer that has arrived while the rest is still on the
-    wire, and the result does not depend on how the source cut the layer into pieces (path P and
-    path D give bit-identical outputs). Each tile gives a partial output and its log-sum-exp; the
-    partials are merged in tile order. The math runs in fp32 whatever the model dtype.
+    The new tokens' own causal attention needs no hit, so it comes first, while the layer's hit
+    is still on the wire. The hit KV is then consumed in fixed tiles of `tile` tokens counted
+    from the hit's first token, each as soon as it has arrived, and the result does not depend
+    on how the source cut the layer into pieces (path P and path D give bit-identical outputs).
+    Each tile gives a partial output and its log-sum-exp; the partials are merged in one fixed
+    order (self, then hit tiles in order). The math runs in fp32 whatever the model dtype.
 
         acc = TiledAttention(q, kv_heads, scale)
+        acc.add_self(k_new, v_new)           # causal self-attention, before any hit
         acc.push(k0, v0); acc.push(k1, v1)   # any cut; full tiles are computed as they fill
-        acc.add_self(k_new, v_new)           # the rest of the hit, then causal self-attention
+        acc.compute_ready(final=True)        # the last, partial tile
         out = acc.result()                   # (n, heads * head_dim)
     """
 
@@ -133,6 +135,8 @@ class TiledAttention:
 
     def compute_ready(self, final: bool = False) -> None:
         """Attend to every full pending tile (and, if `final`, to the last partial one)."""
+        if self.out is None:
+            raise RuntimeError("add_self() comes before any hit tile (one fixed merge order)")
         if not self._pending_tokens or (self._pending_tokens < self.tile and not final):
             return
         k = (
@@ -153,8 +157,9 @@ class TiledAttention:
         self._pending_tokens = rest
 
     def add_self(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The rest of the hit, then the new tokens' own keys, causally (query i sees key <= i)."""
-        self.compute_ready(final=True)
+        """The new tokens' own keys, causally (query i sees key <= i); first, before any hit."""
+        if self.out is not None:
+            raise RuntimeError("add_self() comes before any hit tile (one fixed merge order)")
         n = self.n
         for a in range(0, n, self.tile):
             b = min(a + self.tile, n)
@@ -164,7 +169,7 @@ class TiledAttention:
 
     def result(self) -> torch.Tensor:
         """(n, heads * hd) fp32: the merged attention output."""
-        assert self.out is not None, "add_self() first"
+        assert self.out is not None and not self._pending_tokens, "add_self, compute_ready(True)"
         return self.out.reshape(self.heads, self.n, self.hd).transpose(0, 1).reshape(self.n, -1)
 
     def _partial(
@@ -296,15 +301,19 @@ class Transformer(nn.Module):
         hit_v: torch.Tensor,
     ) -> torch.Tensor:
         """The rest of a prefill layer with the whole hit KV at hand: causal attention + MLP."""
-        acc = TiledAttention(q, self.spec.kv_heads, self.scale)
+        acc = self.self_attention(q, k, v)
         acc.push(hit_k, hit_v)
-        return self.attend_tail(layer, h, acc, k, v)
+        return self.attend_tail(layer, h, acc)
 
-    def attend_tail(
-        self, layer: int, h: torch.Tensor, acc: TiledAttention, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Once every hit tile is in `acc`: the new tokens' causal self-attention + MLP."""
+    def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TiledAttention:
+        """The new tokens' causal attention to themselves: what a layer can do before its hit."""
+        acc = TiledAttention(q, self.spec.kv_heads, self.scale)
         acc.add_self(k, v)
+        return acc
+
+    def attend_tail(self, layer: int, h: torch.Tensor, acc: TiledAttention) -> torch.Tensor:
+        """Once every hit piece is in `acc`: its last tile, the output projection and the MLP."""
+        acc.compute_ready(final=True)
         return self.finish(layer, h, acc.result().to(h.dtype))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

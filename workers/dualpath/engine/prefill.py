@@ -208,6 +208,39 @@ class PrefillRun:
                 "(hit_tokens, kv_heads, head_dim)"
             )
 
+    def _before_hit(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[TiledAttention, torch.Tensor, torch.Tensor]:
+        q, k, v = self.model.qkv(layer, h, positions)
+        return self.model.self_attention(q, k, v), k, v
+
+    async def _take_hit(self, l: int, pending: _LayerPieces, acc: TiledAttention) -> float:  # noqa: E741
+        """Push layer l's hit pieces into `acc`; while the next piece is still on the wire,
+        attend to the full tiles already here. Pieces that are already here are taken without
+        a compute hop (a hop costs a thread handoff; in the compute-bound steady state every
+        piece is here and the tail does all the tiles at once). Returns the seconds waited."""
+        waited, early = 0.0, 0
+        nxt = asyncio.ensure_future(pending.next())
+        try:
+            while True:
+                await asyncio.sleep(0)  # a piece that is already here completes now
+                if not nxt.done() and acc.ready_tiles:
+                    early = acc.ready_tiles
+                    await self._compute(acc.compute_ready)
+                t0 = time.perf_counter()
+                piece = await nxt
+                waited += time.perf_counter() - t0
+                if piece is None:
+                    return waited
+                self.times.early_tiles += early  # more of the layer came after them
+                early = 0
+                self._check_piece(l, *piece)
+                acc.push(*piece, compute=False)
+                nxt = asyncio.ensure_future(pending.next())
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+
     async def _run(self) -> None:
         model, n_layers = self.model, self.model.spec.layers
         t_start = time.perf_counter()
@@ -215,24 +248,12 @@ class PrefillRun:
             pending = _LayerPieces(self.source, 0) if n_layers else None
             h = await self._compute(model.embed, self.tokens)
             for l in range(n_layers):  # noqa: E741
-                # the projections need no hit KV: they run while layer l is still arriving
+                # the projections and the new tokens' self-attention need no hit KV: they run
+                # while layer l is still arriving
                 positions = torch.arange(self.hit_tokens, self.hit_tokens + h.shape[0])
-                q, k, v = await self._compute(model.qkv, l, h, positions)
-                acc = TiledAttention(q, model.spec.kv_heads, model.scale)
-                waited, last_tiles = 0.0, 0
+                acc, k, v = await self._compute(self._before_hit, l, h, positions)
                 assert pending is not None
-                while True:  # attend to each full tile of the hit as soon as it has arrived
-                    t0 = time.perf_counter()
-                    piece = await pending.next()
-                    waited += time.perf_counter() - t0
-                    if piece is None:
-                        break
-                    self.times.early_tiles += last_tiles  # more of the layer came after them
-                    self._check_piece(l, *piece)
-                    acc.push(*piece, compute=False)
-                    last_tiles = acc.ready_tiles
-                    if last_tiles:
-                        await self._compute(acc.compute_ready)
+                waited = await self._take_hit(l, pending, acc)
                 self.times.wait_s += waited
                 self.times.per_layer_wait_s.append(waited)
                 if acc.hit_tokens != self.hit_tokens:
@@ -244,7 +265,7 @@ class PrefillRun:
                 # overlap: layer l+1 arrives while layer l finishes
                 if l + 1 < n_layers:
                     pending = _LayerPieces(self.source, l + 1)
-                h = await self._compute(model.attend_tail, l, h, acc, k, v)
+                h = await self._compute(model.attend_tail, l, h, acc)
                 self._queue.put_nowait((l, k, v))
             last = h if self.all_logits else h[-1:]
             self.logits = await self._compute(model.head, last)
