@@ -279,7 +279,7 @@ class StorageSpec(_Model):
     read_concurrency: int = Field(default=8, ge=1, le=1024)
     # Read blocks through NIXL's POSIX plugin instead of preadv. Off by default: on a POSIX
     # directory NIXL POSIX costs ~110 us a transfer and copies slower, so the store reads at
-    # 0.55-0.65 of a plain read against 0.8-0.9 for preadv (`dualpath bench store`, docs/kv.md).
+    # 0.68-0.85 of a plain read against 0.82-0.93 for preadv (`dualpath bench store`, docs/kv.md).
     use_nixl: bool = False
 
 
