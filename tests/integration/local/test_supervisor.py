@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import sys
 import time
 
@@ -89,3 +90,15 @@ def test_child_that_dies_before_ready_is_reported() -> None:
                 )
             ]
         )
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
+    from dualpath.local.supervisor import _ephemeral_range
+
+    lo, hi = _ephemeral_range()
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    assert not any(lo <= p <= hi for p in ports)  # no outgoing connection can take them
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,48 @@ class StartError(RuntimeError):
     pass
 
 
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
+    """A loopback port free now, for a child to listen on later.
+
+    Drawn below the kernel's ephemeral range (bind-tested), because a port from that range
+    can be taken between now and the child's bind by any outgoing connection (gRPC clients,
+    UCX) of the processes started meanwhile; and never one this process handed out before,
+    since bind(0) may return a just-closed port twice. Falls back to bind(0)."""
+    lo, _ = _ephemeral_range()
+    start = max(1024, lo - 12000)
+    rng = random.Random()
+    for _ in range(200 if start < lo else 0):
+        port = rng.randrange(start, lo)
+        if port not in _handed_out and _bindable(port):
+            with _ports_lock:
+                if port not in _handed_out:
+                    _handed_out.add(port)
+                    return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 @dataclass(slots=True)
