@@ -102,3 +102,40 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+# On SIGTERM: note the time, take `delay` seconds to finish, note the time again, exit.
+GRACEFUL = """
+import signal, sys, time
+out, delay = sys.argv[1], float(sys.argv[2])
+def term(*_):
+    with open(out, "a") as f:
+        f.write(f"term {time.time()}\\n")
+    time.sleep(delay)
+    with open(out, "a") as f:
+        f.write(f"exit {time.time()}\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_goes_wave_by_wave(tmp_path) -> None:
+    sink = io.StringIO()
+    sup = Supervisor(grace_s=10, sink=sink)
+    logs = {name: tmp_path / name for name in ("scheduler", "worker", "frontend")}
+    with sup:
+        for name, wave in (("scheduler", 0), ("worker", 1), ("frontend", 2)):
+            argv = [sys.executable, "-c", GRACEFUL, str(logs[name]), "0.3"]
+            sup.spawn(ProcSpec(name, argv, stop_wave=wave))
+        assert _wait_for(lambda: sink.getvalue().count("up") == 3)
+
+    def times(name):
+        return {
+            k: float(v)
+            for k, v in (line.split() for line in logs[name].read_text().split("\n") if line)
+        }
+
+    fe, wk, sc = times("frontend"), times("worker"), times("scheduler")
+    assert fe["exit"] <= wk["term"] and wk["exit"] <= sc["term"]  # each wave gone first

@@ -108,6 +108,7 @@ def process_specs(
                     health_url=ep.workers[name],
                     ready_timeout_s=180,
                     env={"OMP_NUM_THREADS": "1"},
+                    stop_wave=1,
                 )
             )
     fe_port = free_port()
@@ -131,6 +132,7 @@ def process_specs(
             ),
             health_url=f"{ep.frontend}/health",
             ready_timeout_s=120,
+            stop_wave=2,
         )
     )
     return specs, ep

@@ -77,6 +77,9 @@ class ProcSpec:
     health_url: str | None = None  # GET must answer 200 when the process is ready
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 60.0
+    # stop order: higher waves get SIGTERM first and are waited for before the next wave
+    # (the frontend, then the workers, which tell the scheduler they drain, then the scheduler)
+    stop_wave: int = 0
 
 
 @dataclass
@@ -185,18 +188,21 @@ class Supervisor:
         ]
 
     def stop(self) -> None:
-        """SIGTERM every group (last started first), SIGKILL what is left after the grace."""
+        """SIGTERM the groups wave by wave (highest `stop_wave` first, last started first
+        within a wave), SIGKILL what is left after the grace."""
         if self._stopping:
             return
         self._stopping = True
-        for c in reversed(self.children):
-            _signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        for c in reversed(self.children):
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM for %.1fs: SIGKILL", c.spec.name, self.grace_s)
+        for wave in sorted({c.spec.stop_wave for c in self.children}, reverse=True):
+            group = [c for c in reversed(self.children) if c.spec.stop_wave == wave]
+            for c in group:
+                _signal_group(c.proc, signal.SIGTERM)
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s ignored SIGTERM for %.1fs: SIGKILL", c.spec.name, self.grace_s)
         for c in self.children:
             # The group may hold grandchildren even when the leader is gone.
             _signal_group(c.proc, signal.SIGKILL)
