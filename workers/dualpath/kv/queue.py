@@ -33,6 +33,7 @@ from dualpath.kv.store import (
     LayerKV,
     OpenRun,
     request_buffer_bytes,
+    request_layer_bytes,
     request_layer_views,
 )
 
@@ -376,18 +377,14 @@ class ReadQueue:
                 self._inflight += 1
                 self._inflight_gauge.set(self._inflight)
             try:
-                # flat K and V ranges of the request buffer (request_layer_views' layout)
-                n, buf = handle.requested_blocks, handle.buffer
-                dests = []
-                for layer in range(l0, l1):
-                    base = layer * n * lo.layer_bytes
-                    v0 = base + n * lo.k_bytes
-                    dests.append(
-                        (
-                            buf[base + a * lo.k_bytes : base + b * lo.k_bytes],
-                            buf[v0 + a * lo.v_bytes : v0 + b * lo.v_bytes],
-                        )
+                kb, vb = lo.k_bytes, lo.v_bytes
+                dests = [
+                    (k8[a * kb : b * kb], v8[a * vb : b * vb])
+                    for k8, v8 in (
+                        request_layer_bytes(handle.buffer, lo, handle.requested_blocks, layer)
+                        for layer in range(l0, l1)
                     )
+                ]
                 got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
             finally:
                 with self._lock:

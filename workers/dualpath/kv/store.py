@@ -100,26 +100,27 @@ def request_buffer_bytes(layout: BlockLayout, blocks: int) -> int:
     return layout.payload_bytes * blocks
 
 
+def request_layer_bytes(
+    buffer: torch.Tensor, layout: BlockLayout, blocks: int, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat uint8 K and V ranges of `layer` in a request buffer sized for `blocks` blocks:
+    layer-major, K of every block back to back, then V of every block."""
+    base = layer * blocks * layout.layer_bytes
+    v0 = base + blocks * layout.k_bytes
+    return buffer[base:v0], buffer[v0 : v0 + blocks * layout.v_bytes]
+
+
 def request_layer_views(
     buffer: torch.Tensor, layout: BlockLayout, blocks: int, layer: int, valid: int | None = None
 ) -> LayerKV:
     """K, V views of `layer` in a request buffer sized for `blocks` blocks (first `valid`)."""
     valid = blocks if valid is None else valid
     dtype = TORCH_DTYPES[layout.dtype]
-    base = layer * blocks * layout.layer_bytes
-    k_end = base + valid * layout.k_bytes
-    v_base = base + blocks * layout.k_bytes
-    v_end = v_base + valid * layout.v_bytes
+    k8, v8 = request_layer_bytes(buffer, layout, blocks, layer)
     tokens = valid * layout.block_tokens
-    k = buffer[base:k_end].view(dtype).view(tokens, layout.k_heads, layout.k_dim)
-    v = buffer[v_base:v_end].view(dtype).view(tokens, layout.v_heads, layout.v_dim)
+    k = k8[: valid * layout.k_bytes].view(dtype).view(tokens, layout.k_heads, layout.k_dim)
+    v = v8[: valid * layout.v_bytes].view(dtype).view(tokens, layout.v_heads, layout.v_dim)
     return k, v
-
-
-def layer_segments(layout: BlockLayout, fds: np.ndarray, layer: int) -> np.ndarray:
-    """Segment table reading `layer` of blocks `fds` (in order) into two dests: K of every
-    block back to back in dest 0, V in dest 1. Rows: K of block 0, V of block 0, K of block 1..."""
-    return layers_segments(layout, fds, layer, layer + 1)
 
 
 def layers_segments(layout: BlockLayout, fds: np.ndarray, l0: int, l1: int) -> np.ndarray:
@@ -578,12 +579,6 @@ class KVStore:
         k_out, v_out = self._layer_out(b - a, layer, k_out, v_out)
         return self._read_layer(run, a, b, layer, k_out, v_out, [])
 
-    def read_run_layer_into(
-        self, run: OpenRun, layer: int, a: int, b: int, k8: torch.Tensor, v8: torch.Tensor
-    ) -> tuple[int, list[BlockFailure]]:
-        """`read_run_layer` into flat uint8 K and V destinations: (valid blocks, failures)."""
-        return self.read_run_layers_into(run, layer, layer + 1, a, b, [(k8, v8)])
-
     def read_run_layers_into(
         self,
         run: OpenRun,
@@ -643,25 +638,11 @@ class KVStore:
         v_out: torch.Tensor,
         failed: list[BlockFailure],
     ) -> LayerRead:
-        valid = self._read_layer_u8(
-            run, a, b, layer, _dest(k_out, "k_out"), _dest(v_out, "v_out"), failed
-        )
+        dests = [(_dest(k_out, "k_out"), _dest(v_out, "v_out"))]
+        valid, more = self.read_run_layers_into(run, layer, layer + 1, a, b, dests)
+        failed.extend(more)
         t = valid * self.layout.block_tokens
         return LayerRead(k_out[:t], v_out[:t], valid, failed)
-
-    def _read_layer_u8(
-        self,
-        run: OpenRun,
-        a: int,
-        b: int,
-        layer: int,
-        k8: torch.Tensor,
-        v8: torch.Tensor,
-        failed: list[BlockFailure],
-    ) -> int:
-        valid, more = self.read_run_layers_into(run, layer, layer + 1, a, b, [(k8, v8)])
-        failed.extend(more)
-        return valid
 
     def read_blocks(self, ids: Sequence[BlockId], out: torch.Tensor | None = None) -> BlockRead:
         """Every layer of `ids` into a layer-major request buffer (one range read per block)."""
@@ -676,7 +657,7 @@ class KVStore:
         with self.open_run(ids) as run:
             failed = run.failed
             if reads_runs(self.backend):  # one read_run per block, all its layers
-                dests = [_flat_layer(out, lo, n, layer) for layer in range(lo.layers)]
+                dests = [request_layer_bytes(out, lo, n, layer) for layer in range(lo.layers)]
                 valid = self._read_layers_runs(run.ids, run.entries, 0, dests, failed)
             else:
                 fds = np.fromiter(
@@ -777,15 +758,6 @@ class KVStore:
     def close(self) -> None:
         self._files.close()
         self.backend.close()
-
-
-def _flat_layer(
-    buf: torch.Tensor, layout: BlockLayout, blocks: int, layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat uint8 K and V ranges of `layer` in a request buffer (`request_layer_views`)."""
-    base = layer * blocks * layout.layer_bytes
-    v0 = base + blocks * layout.k_bytes
-    return buf[base:v0], buf[v0 : v0 + blocks * layout.v_bytes]
 
 
 def _open_files_limit(wanted: int) -> int:
