@@ -57,6 +57,39 @@ async def test_layer_source_contract_round_trips(make_store, kvh):
     assert all(e.refs == 0 for e in store._files._open.values())
 
 
+async def test_arrived_is_the_layer_once_read_and_never_blocks(tmp_path, tiny, kvh):
+    # the prefill's compute thread polls arrived(); only wait_arrival, on the loop, waits
+    from dualpath.kv import KVStore
+
+    backend = GatedBackend()
+    store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=backend)
+    ids, blocks = kvh.fill(store, 3)
+    with ReadQueue(store, concurrency=1, chunk_blocks=3) as q:
+        h = q.submit(ids)
+        assert h.arrived(0) == ([], False)  # the gate is closed: nothing read, no wait
+        backend.gate.set()
+        await h.wait_arrival(0, 0)
+        got, complete = h.arrived(0)
+        assert complete and len(got) == 1
+        assert torch.equal(kvh.u8(got[0][0]), kvh.u8(torch.cat([b[0][0] for b in blocks])))
+        h.close()
+
+
+async def test_arrived_hides_a_failed_layer_and_wait_arrival_raises(make_store, kvh):
+    store = make_store()
+    ids, _ = kvh.fill(store, 2)
+    with open(store.path_of(ids[1]), "r+b") as f:
+        f.seek(store.layout.layer_offset(1) + 7)
+        f.write(b"\xff\xfe")
+    with ReadQueue(store, concurrency=1, chunk_blocks=2) as q:
+        h = q.submit(ids)
+        with pytest.raises(KVLoadError):
+            await h.wait_arrival(1, 0)
+        assert h.arrived(1) == ([], False)
+        assert h.arrived(0)[1]
+        h.close()
+
+
 async def test_read_into_caller_buffer(make_store, kvh):
     store = make_store()
     ids, blocks = kvh.fill(store, 3)

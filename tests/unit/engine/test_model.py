@@ -1,6 +1,7 @@
 """Model, prefill over a per-layer source, paged decode: against full recomputation."""
 
 import asyncio
+import concurrent.futures as cf
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from dualpath.engine import (
     CacheFullError,
     Engine,
     MemorySource,
+    PrefillRun,
     SamplingParams,
     ThrottledSource,
     TiledAttention,
@@ -255,10 +257,72 @@ async def test_prefill_rejects_a_short_piece_stream(engine):
     x = toks(20)
     _, kv = engine.model.forward_full(x)
 
-    class Short(MemorySource):
+    class Short:  # a stream (layer_pieces) that ends early
+        async def layer(self, l):  # noqa: E741
+            raise AssertionError("the prefill reads a source with layer_pieces piece by piece")
+
         async def layer_pieces(self, l):  # noqa: E741
-            k, v = self.kv_layers[l]
+            k, v = kv[l]
             yield k[:8], v[:8]  # 8 of the 12 announced tokens
 
     with pytest.raises(ValueError, match="has 8 tokens"):
-        await engine.prefill(x[12:], 12, Short([(k[:12], v[:12]) for k, v in kv])).collect()
+        await engine.prefill(x[12:], 12, Short()).collect()
+
+
+class CountingExecutor(cf.ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.jobs = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+async def test_prefill_with_its_hit_at_hand_is_one_compute_job(engine):
+    # a trip through the loop costs a thread handoff: with every layer's hit already here
+    # the forward never comes back to the loop before its logits
+    hit, x = 64, toks(80, seed=5)
+    _, kv = engine.model.forward_full(x)
+    with CountingExecutor() as ex:
+        src = MemorySource([(k[:hit], v[:hit]) for k, v in kv])
+        run = PrefillRun(engine.model, ex, x[hit:], hit, src)
+        layers = [layer async for layer, _, _ in run]
+        assert layers == list(range(SPEC.layers)) and ex.jobs == 1
+        assert run.times.wait_s == 0 and run.times.compute_s > 0
+
+
+async def test_a_source_error_reaches_the_caller_and_frees_the_compute_thread(engine):
+    x = toks(40, seed=6)
+    _, kv = engine.model.forward_full(x)
+
+    class FailsAtLayer2:  # only layer(): read through the loop-side pump
+        async def layer(self, l):  # noqa: E741
+            if l == 2:
+                raise OSError("storage went away")
+            return kv[l][0][:32], kv[l][1][:32]
+
+    run = engine.prefill(x[32:], 32, FailsAtLayer2())
+    seen = []
+    with pytest.raises(OSError, match="storage went away"):
+        async for layer, _, _ in run:
+            seen.append(layer)
+    assert seen == [0, 1]  # the layers before the missing one were computed and yielded
+    # the engine's one compute thread is free again
+    await asyncio.wait_for(engine.prefill(x[:8]).collect(), timeout=30)
+
+
+async def test_leaving_a_prefill_early_stops_it(engine):
+    x = toks(100, seed=7)
+    _, kv = engine.model.forward_full(x)
+    layer_bytes = sum(t[:90].numel() * t.element_size() for t in kv[0])
+    slow = ThrottledSource([(k[:90], v[:90]) for k, v in kv], layer_bytes / 0.05)
+    run = engine.prefill(x[90:], 90, slow)
+    layers = run.__aiter__()
+    assert (await anext(layers))[0] == 0
+    await layers.aclose()  # the caller gives up after layer 0
+    assert run._task is not None
+    with pytest.raises(asyncio.CancelledError):
+        await run._task
+    assert run.logits is None
+    await asyncio.wait_for(engine.prefill(x[:8]).collect(), timeout=30)

@@ -120,6 +120,11 @@ class TiledAttention:
         self._pending_tokens = 0
 
     @property
+    def pending_tokens(self) -> int:
+        """Hit tokens pushed but not yet attended to."""
+        return self._pending_tokens
+
+    @property
     def ready_tiles(self) -> int:
         """Whole tiles pushed but not yet computed."""
         return self._pending_tokens // self.tile

@@ -152,6 +152,18 @@ class LayerReadHandle:
     async def layer(self, l: int) -> LayerKV:  # noqa: E741 (the contract's name)
         return await asyncio.shield(asyncio.wrap_future(self._layers[l]))
 
+    def arrived(self, l: int) -> tuple[list[LayerKV], bool]:  # noqa: E741
+        """Layer l if its read is done (any thread, never blocks): the prefill's compute thread
+        takes it without a trip through the event loop. A failed read shows as not arrived;
+        `wait_arrival` raises its error."""
+        f = self._layers[l]
+        if f.done() and not f.cancelled() and f.exception() is None:
+            return [f.result()], True
+        return [], False
+
+    async def wait_arrival(self, l: int, have: int) -> None:  # noqa: E741
+        await self.layer(l)
+
     def layer_sync(self, l: int, timeout: float | None = None) -> LayerKV:  # noqa: E741
         return self._layers[l].result(timeout)
 
