@@ -10,7 +10,8 @@ def test_bench_engine_quick_prints_every_figure(capsys):
     out = json.loads(capsys.readouterr().out)
     for key in (
         "overlap_ratio",
-        "overlap_ratio_median",
+        "overlap_ratio_best_of_each",
+        "overlap_ratio_rounds_p10_p90",
         "compute_alone_s",
         "load_alone_s",
         "load_and_compute_s",
