@@ -25,6 +25,16 @@ class GatedBackend(PreadvBackend):
         super().read_run(fd, views, offset)
 
 
+def gated_store(tmp_path, tiny, kvh, blocks):
+    """A store whose reads wait for `backend.gate`, filled with `blocks` blocks."""
+    from dualpath.kv import KVStore
+
+    backend = GatedBackend()
+    store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=backend)
+    ids, data = kvh.fill(store, blocks)
+    return backend, store, ids, data
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -59,11 +69,7 @@ async def test_layer_source_contract_round_trips(make_store, kvh):
 
 async def test_arrived_is_the_layer_once_read_and_never_blocks(tmp_path, tiny, kvh):
     # the prefill's compute thread polls arrived(); only wait_arrival, on the loop, waits
-    from dualpath.kv import KVStore
-
-    backend = GatedBackend()
-    store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=backend)
-    ids, blocks = kvh.fill(store, 3)
+    backend, store, ids, blocks = gated_store(tmp_path, tiny, kvh, 3)
     with ReadQueue(store, concurrency=1, chunk_blocks=3) as q:
         h = q.submit(ids)
         assert h.arrived(0) == ([], False)  # the gate is closed: nothing read, no wait
@@ -102,11 +108,7 @@ async def test_read_into_caller_buffer(make_store, kvh):
 
 
 def test_pending_bytes_observable_and_drop_as_read(tmp_path, tiny, kvh):
-    from dualpath.kv import KVStore
-
-    backend = GatedBackend()
-    store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=backend)
-    ids, _ = kvh.fill(store, 4)
+    backend, store, ids, _ = gated_store(tmp_path, tiny, kvh, 4)
     with ReadQueue(store, concurrency=1, chunk_blocks=4) as q:
         h = q.submit(ids)
         total = 4 * store.layout.payload_bytes
@@ -119,11 +121,7 @@ def test_pending_bytes_observable_and_drop_as_read(tmp_path, tiny, kvh):
 
 
 async def test_close_drops_queued_reads_and_releases_pending(tmp_path, tiny, kvh):
-    from dualpath.kv import KVStore
-
-    backend = GatedBackend()
-    store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=backend)
-    ids, _ = kvh.fill(store, 4)
+    backend, store, ids, _ = gated_store(tmp_path, tiny, kvh, 4)
     q = ReadQueue(store, concurrency=1, chunk_blocks=1)
     try:
         h = q.submit(ids)
