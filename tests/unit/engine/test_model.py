@@ -312,6 +312,22 @@ async def test_a_source_error_reaches_the_caller_and_frees_the_compute_thread(en
     await asyncio.wait_for(engine.prefill(x[:8]).collect(), timeout=30)
 
 
+async def test_a_source_whose_read_was_cancelled_ends_the_prefill(engine):
+    # a layer that will never come (its read was cancelled) must not leave the prefill waiting
+    x = toks(40, seed=8)
+    _, kv = engine.model.forward_full(x)
+
+    class Cancelled:
+        async def layer(self, l):  # noqa: E741
+            if l == 1:
+                raise asyncio.CancelledError()
+            return kv[l][0][:32], kv[l][1][:32]
+
+    run = engine.prefill(x[32:], 32, Cancelled())
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run.collect(), timeout=30)
+
+
 async def test_leaving_a_prefill_early_stops_it(engine):
     x = toks(100, seed=7)
     _, kv = engine.model.forward_full(x)

@@ -183,6 +183,7 @@ class _PumpedSource:
         self._error: BaseException | None = None
         self._source = source
         self._landed = asyncio.Event()
+        self._closed = False
         self._task = asyncio.ensure_future(self._pump())
 
     async def _pump(self) -> None:
@@ -197,7 +198,11 @@ class _PumpedSource:
                         self._landed.set()
                 self._complete[l] = True
                 self._landed.set()
-        except Exception as exc:  # raised to the prefill when it needs the missing piece
+        except BaseException as exc:  # raised to the prefill when it needs the missing piece
+            if self._closed:  # close() cancelled the pump: nobody waits any more
+                raise
+            # a source's own CancelledError (its read was cancelled) too: the prefill must
+            # not wait for a layer that will never come
             self._error = exc
             self._landed.set()
 
@@ -213,6 +218,7 @@ class _PumpedSource:
             await self._landed.wait()
 
     def close(self) -> None:
+        self._closed = True
         if not self._task.done():
             self._task.cancel()
 
