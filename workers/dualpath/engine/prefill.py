@@ -350,7 +350,12 @@ class PrefillRun:
         feed: ArrivingSource = pumped or source  # type: ignore[assignment]
 
         def emit(item: NewLayerKV) -> None:
-            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            if self._cancelled:
+                return
+            try:
+                loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed under a cancelled run: nobody reads
+                pass
 
         try:
             while not await loop.run_in_executor(self._executor, self._advance, feed, emit):
