@@ -35,6 +35,13 @@ def gated_store(tmp_path, tiny, kvh, blocks):
     return backend, store, ids, data
 
 
+def corrupt_layer(store, block_id, layer):
+    """Flip two bytes inside one layer of a stored block: its checksum no longer matches."""
+    with open(store.path_of(block_id), "r+b") as f:
+        f.seek(store.layout.layer_offset(layer) + 7)
+        f.write(b"\xff\xfe")
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -84,9 +91,7 @@ async def test_arrived_is_the_layer_once_read_and_never_blocks(tmp_path, tiny, k
 async def test_arrived_hides_a_failed_layer_and_wait_arrival_raises(make_store, kvh):
     store = make_store()
     ids, _ = kvh.fill(store, 2)
-    with open(store.path_of(ids[1]), "r+b") as f:
-        f.seek(store.layout.layer_offset(1) + 7)
-        f.write(b"\xff\xfe")
+    corrupt_layer(store, ids[1], 1)
     with ReadQueue(store, concurrency=1, chunk_blocks=2) as q:
         h = q.submit(ids)
         with pytest.raises(KVLoadError):
@@ -155,9 +160,7 @@ async def test_invalid_block_shortens_prefix(make_store, kvh):
 async def test_corrupt_layer_raises_load_error_with_valid_prefix(make_store, kvh):
     store = make_store()
     ids, _ = kvh.fill(store, 4)
-    with open(store.path_of(ids[3]), "r+b") as f:
-        f.seek(store.layout.layer_offset(1) + 7)
-        f.write(b"\xff\xfe")
+    corrupt_layer(store, ids[3], 1)
     with ReadQueue(store, concurrency=1, chunk_blocks=4) as q:
         h = q.submit(ids)
         await h.layer(0)
