@@ -353,18 +353,46 @@ _HF_FIELDS = {
 _HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
+def _refuse_what_the_engine_cannot_run(path: str | Path, cfg: dict) -> None:
+    """A checkpoint whose config asks for math the engine does not do would load and then
+    give wrong outputs without a word: name the field instead."""
+    problems = []
+    # transformers 5 writes rope_parameters; older configs rope_scaling (None: plain RoPE)
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(field) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            problems.append(f"{field} of type {kind!r} (only plain RoPE)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu, SwiGLU)")
+    if cfg.get("use_sliding_window"):
+        problems.append("use_sliding_window (only full attention)")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias (the MLP has no bias)")
+    if problems:
+        raise ValueError(
+            f"model.checkpointPath {path}: config.json asks for {'; '.join(problems)}; "
+            "the engine runs Llama/Qwen2-style decoders without these"
+        )
+
+
 def spec_from_checkpoint(path: str | Path, **overrides: object) -> ModelSpec:
     """A ModelSpec with the dims of a checkpoint's config.json (overrides win)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
+    _refuse_what_the_engine_cannot_run(path, cfg)
     dims: dict[str, object] = {"preset": None, "checkpoint_path": str(path)}
     for hf, ours in _HF_FIELDS.items():
         if hf in cfg and cfg[hf] is not None:
             dims[ours] = cfg[hf]
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")  # where transformers 5 puts it
+    if theta is not None:
+        dims["rope_theta"] = theta
     dims.setdefault("kv_heads", cfg.get("num_attention_heads"))
     if "head_dim" not in dims:
         dims["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
-    if cfg.get("torch_dtype") in _HF_DTYPES:
-        dims["dtype"] = _HF_DTYPES[cfg["torch_dtype"]]
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")  # transformers 5 renamed the field
+    if dtype in _HF_DTYPES:
+        dims["dtype"] = _HF_DTYPES[dtype]
     dims["name"] = cfg.get("_name_or_path") or Path(path).name
     dims.update(overrides)
     return ModelSpec(**dims)
@@ -378,6 +406,7 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None) -> Transfor
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.checkpointPath {path}: no config.json there")
     cfg = json.loads((path / "config.json").read_text())
+    _refuse_what_the_engine_cannot_run(path, cfg)
     spec = spec or spec_from_checkpoint(path)
     qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
     tie = bool(cfg.get("tie_word_embeddings", False))
