@@ -79,13 +79,13 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
-    if "$ref" in node:
-        target = copy.deepcopy(defs[node.pop("$ref").rsplit("/", 1)[-1]])
-        node = {**target, **node}
     if "anyOf" in node:
         options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
         if len(options) == 1:
             node = {**options[0], **node, "nullable": True}
+    if "$ref" in node:  # after anyOf: an optional nested model is `anyOf [$ref, null]`
+        target = copy.deepcopy(defs[node.pop("$ref").rsplit("/", 1)[-1]])
+        node = {**target, **node}
     node.pop("title", None)
     if "const" in node:
         node["enum"] = [node.pop("const")]
