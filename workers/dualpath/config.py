@@ -45,6 +45,23 @@ class Role(str, Enum):
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1}
 
 
+class RopeScaling(_Model):
+    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in a checkpoint's config.json):
+    long wavelengths are divided by `factor`, short ones kept, the band between blended."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_position_embeddings: int = Field(default=8192, gt=0)
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("ropeScaling.highFreqFactor must be > lowFreqFactor")
+        return self
+
+
 class ModelSpec(_Model):
     """Model dimensions. `preset` fills every dimension not given explicitly."""
 
@@ -71,6 +88,7 @@ class ModelSpec(_Model):
     block_tokens: int = Field(default=64, ge=1, le=4096)
     seed: int = 0
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
 
     @model_validator(mode="before")
@@ -150,6 +168,9 @@ class ModelSpec(_Model):
                 "checkpoint_path",
                 "vocab_size",
                 "intermediate_size",
+                # K is cached after rotary: another RoPE is another KV
+                "rope_theta",
+                "rope_scaling",
             }
         )
         return hashlib.sha256(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:16]

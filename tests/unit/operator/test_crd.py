@@ -24,6 +24,25 @@ def test_crds_are_valid_kubernetes_objects(version):
         kubernetes_validate.validate(yaml.safe_load(text.split("\n", 1)[1]), version, strict=True)
 
 
+def test_crd_schemas_are_structural():
+    # the API server refuses $ref in a CRD schema; an optional nested model must be inlined
+    for text in crd.crd_files().values():
+        assert "$ref" not in text and "anyOf" not in text and "$defs" not in text
+
+
+def test_a_llama3_rope_scaling_is_admitted_and_read():
+    model = {"preset": "tiny", "ropeTheta": 500000.0, "ropeScaling": {"factor": 8.0}}
+    cr = {
+        "apiVersion": "dualpath.io/v1alpha1",
+        "kind": "DualPathCluster",
+        "metadata": {"name": "x"},
+        "spec": {"model": model},
+    }
+    assert admit(cr, crd.cluster_crd()) == []
+    scaling = config.from_resource(cr).spec.model.rope_scaling
+    assert scaling is not None and scaling.factor == 8.0 and scaling.high_freq_factor == 4.0
+
+
 def test_pool_crd_has_the_scale_subresource():
     sub = crd.pool_crd()["spec"]["versions"][0]["subresources"]
     assert sub["scale"]["specReplicasPath"] == ".spec.replicas"

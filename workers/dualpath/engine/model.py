@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dualpath.config import ModelSpec
+from dualpath.config import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,28 @@ class Block(nn.Module):
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
 
 
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """The head_dim/2 rotary frequencies (fp64), with Llama 3's scaling when given."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv
+    old, low, high = (
+        scaling.original_max_position_embeddings,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+    )
+    wavelen = 2 * math.pi / inv
+    # long wavelengths (beyond old/low) are stretched by `factor`, short ones (below old/high)
+    # kept, and the band between blends the two by where its wavelength falls
+    smooth = ((old / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv / scaling.factor + smooth * inv
+
+
 def rotary(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (n, head_dim) for integer `positions` (HF rotate-half convention)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = rope_frequencies(head_dim, theta, scaling)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
@@ -272,7 +289,7 @@ class Transformer(nn.Module):
         q = blk.q_proj(x).view(n, s.heads, s.head_dim)
         k = blk.k_proj(x).view(n, s.kv_heads, s.head_dim)
         v = blk.v_proj(x).view(n, s.kv_heads, s.head_dim)
-        cos, sin = rotary(positions, s.head_dim, s.rope_theta)
+        cos, sin = rotary(positions, s.head_dim, s.rope_theta, s.rope_scaling)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, l: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:  # noqa: E741
@@ -353,16 +370,27 @@ _HF_FIELDS = {
 _HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
+def _rope_configs(cfg: dict) -> list[tuple[str, dict]]:
+    """transformers 5 writes `rope_parameters`; older configs `rope_scaling` (null: plain)."""
+    return [(f, cfg[f]) for f in ("rope_parameters", "rope_scaling") if cfg.get(f)]
+
+
+def _rope_scaling(cfg: dict) -> RopeScaling | None:
+    for _, rope in _rope_configs(cfg):
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            keys = RopeScaling.model_fields.keys() - {"type"}
+            return RopeScaling(**{k: rope[k] for k in keys if k in rope})
+    return None
+
+
 def _refuse_what_the_engine_cannot_run(path: str | Path, cfg: dict) -> None:
     """A checkpoint whose config asks for math the engine does not do would load and then
     give wrong outputs without a word: name the field instead."""
     problems = []
-    # transformers 5 writes rope_parameters; older configs rope_scaling (None: plain RoPE)
-    for field in ("rope_parameters", "rope_scaling"):
-        rope = cfg.get(field) or {}
+    for field, rope in _rope_configs(cfg):
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            problems.append(f"{field} of type {kind!r} (only plain RoPE)")
+        if kind not in ("default", "llama3"):
+            problems.append(f"{field} of type {kind!r} (plain RoPE or llama3 only)")
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu, SwiGLU)")
     if cfg.get("use_sliding_window"):
@@ -387,6 +415,7 @@ def spec_from_checkpoint(path: str | Path, **overrides: object) -> ModelSpec:
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta")  # where transformers 5 puts it
     if theta is not None:
         dims["rope_theta"] = theta
+    dims["rope_scaling"] = _rope_scaling(cfg)
     dims.setdefault("kv_heads", cfg.get("num_attention_heads"))
     if "head_dim" not in dims:
         dims["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -455,6 +484,9 @@ def save_checkpoint(model: Transformer, path: str | Path) -> None:
         "intermediate_size": s.intermediate_size or 4 * s.hidden_size,
         "vocab_size": s.vocab_size,
         "rope_theta": s.rope_theta,
+        "rope_scaling": None
+        if s.rope_scaling is None
+        else {"rope_type": "llama3", **s.rope_scaling.model_dump(exclude={"type"})},
         "rms_norm_eps": s.rms_norm_eps,
         "torch_dtype": s.dtype,
         "tie_word_embeddings": model.tie_embeddings,
