@@ -83,12 +83,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return (1 - smooth) * inv / scaling.factor + smooth * inv
 
 
-def rotary(
-    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (n, head_dim) for integer `positions` (HF rotate-half convention)."""
-    inv = rope_frequencies(head_dim, theta, scaling)
-    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
 
@@ -161,16 +158,8 @@ class TiledAttention:
             raise RuntimeError("add_self() comes before any hit tile (one fixed merge order)")
         if not self._pending_tokens or (self._pending_tokens < self.tile and not final):
             return
-        k = (
-            torch.cat([p[0] for p in self._pending])
-            if len(self._pending) > 1
-            else self._pending[0][0]
-        )
-        v = (
-            torch.cat([p[1] for p in self._pending])
-            if len(self._pending) > 1
-            else self._pending[0][1]
-        )
+        ks, vs = zip(*self._pending, strict=True)
+        k, v = (torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0])
         end = k.shape[0] if final else k.shape[0] - k.shape[0] % self.tile
         for a in range(0, end, self.tile):
             self._merge(*self._partial(self.q, k[a : a + self.tile], v[a : a + self.tile]), 0)
@@ -242,6 +231,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.groups = spec.heads // spec.kv_heads
         self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.rope_inv_freq = rope_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.requires_grad_(False)
         self.eval()
 
@@ -289,7 +279,7 @@ class Transformer(nn.Module):
         q = blk.q_proj(x).view(n, s.heads, s.head_dim)
         k = blk.k_proj(x).view(n, s.kv_heads, s.head_dim)
         v = blk.v_proj(x).view(n, s.kv_heads, s.head_dim)
-        cos, sin = rotary(positions, s.head_dim, s.rope_theta, s.rope_scaling)
+        cos, sin = rotary(positions, self.rope_inv_freq)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, l: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:  # noqa: E741
@@ -406,8 +396,17 @@ def _refuse_what_the_engine_cannot_run(path: str | Path, cfg: dict) -> None:
 
 def spec_from_checkpoint(path: str | Path, **overrides: object) -> ModelSpec:
     """A ModelSpec with the dims of a checkpoint's config.json (overrides win)."""
+    return _spec_from_config(path, _read_config(path), **overrides)
+
+
+def _read_config(path: str | Path) -> dict:
+    """The checkpoint's config.json, refused if it asks for math the engine does not do."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     _refuse_what_the_engine_cannot_run(path, cfg)
+    return cfg
+
+
+def _spec_from_config(path: str | Path, cfg: dict, **overrides: object) -> ModelSpec:
     dims: dict[str, object] = {"preset": None, "checkpoint_path": str(path)}
     for hf, ours in _HF_FIELDS.items():
         if hf in cfg and cfg[hf] is not None:
@@ -434,9 +433,8 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None) -> Transfor
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.checkpointPath {path}: no config.json there")
-    cfg = json.loads((path / "config.json").read_text())
-    _refuse_what_the_engine_cannot_run(path, cfg)
-    spec = spec or spec_from_checkpoint(path)
+    cfg = _read_config(path)
+    spec = spec or _spec_from_config(path, cfg)
     qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
     tie = bool(cfg.get("tie_word_embeddings", False))
     files = sorted(path.glob("*.safetensors"))

@@ -118,18 +118,14 @@ class ThrottledSource:
         self._due: list[list[float]] = []
         sent = 0.0
         for k, v in self.kv_layers:
-            n = k.shape[0]
-            cuts = [(a, min(a + piece_tokens, n)) for a in range(0, n, piece_tokens)] or [(0, 0)]
-            self._pieces.append([(k[a:b], v[a:b]) for a, b in cuts])
+            step = range(0, k.shape[0], piece_tokens)
+            pieces = [(k[a : a + piece_tokens], v[a : a + piece_tokens]) for a in step] or [(k, v)]
             due = []
-            for a, b in cuts:
-                sent += k[a:b].numel() * k.element_size() + v[a:b].numel() * v.element_size()
+            for pk, pv in pieces:
+                sent += pk.numel() * pk.element_size() + pv.numel() * pv.element_size()
                 due.append(sent / bytes_per_s)
+            self._pieces.append(pieces)
             self._due.append(due)
-
-    def layer_seconds(self, l: int) -> float:  # noqa: E741
-        k, v = self.kv_layers[l]
-        return (k.numel() * k.element_size() + v.numel() * v.element_size()) / self.bytes_per_s
 
     def start(self) -> None:
         if not self.started_at:

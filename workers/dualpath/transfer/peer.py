@@ -136,7 +136,7 @@ class PeerProcess:
             raise TimeoutError(f"peer did not answer {op or 'its command'} within {timeout_s}s")
         reply = self._conn.recv()
         if not reply.pop("ok"):
-            raise RuntimeError(f"peer {op}: {reply['error']}".replace(" :", ":"))
+            raise RuntimeError(f"{f'peer {op}' if op else 'peer'}: {reply['error']}")
         return reply
 
     def kill(self) -> None:
