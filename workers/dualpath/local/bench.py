@@ -461,7 +461,7 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
     over: dict[str, Any] = {
         "prefill.replicas": args.prefill,
         "decode.replicas": args.decode,
-        "storage.path": str(Path(args.out) / "kv"),
+        "storage.path": str(Path(args.out).resolve() / "kv"),
     }
     if args.snic_gbps:
         over["storage.snicGbps"] = args.snic_gbps
