@@ -51,6 +51,21 @@ class _Model(BaseModel):
         use_attribute_docstrings=True,
     )
 
+    @field_validator("*")
+    @classmethod
+    def _sorted_maps(cls, value: Any) -> Any:
+        # The API server hands the operator every map with its keys sorted (Go's JSON), a file
+        # keeps them as written: sorted here, both render and hash the same.
+        return _sort_keys(value) if isinstance(value, dict) else value
+
+
+def _sort_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sort_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sort_keys(v) for v in value]
+    return value
+
 
 class Role(str, Enum):
     PREFILL = "prefill"
@@ -184,8 +199,10 @@ class ModelSpec(_Model):
         by_alias = {to_camel(f): f for f in cls.model_fields}
         merged = dict(MODEL_PRESETS[preset])
         for key, value in data.items():
-            if value not in (None, 0) or key == "seed":
-                merged[by_alias.get(key, key)] = value
+            field = by_alias.get(key, key)
+            if value is None or (value == 0 and field in PRESET_FIELDS):
+                continue  # unset (or a 0 dimension): the preset's
+            merged[field] = value
         merged["preset"] = preset
         return merged
 
@@ -411,7 +428,10 @@ def _volume_schema() -> dict[str, Any]:
         if needs:
             node["required"] = list(needs)
             node["properties"] = {
-                k: {"type": "array" if k == "monitors" else "string", "description": f"{k} of the {name} source"}
+                k: {
+                    "type": "array" if k == "monitors" else "string",
+                    "description": f"{k} of the {name} source",
+                }
                 | ({"items": {"type": "string"}} if k == "monitors" else {})
                 for k in needs
             }
@@ -522,6 +542,15 @@ class RdmaSpec(_Model):
     ib_addr_type: Literal["ib_global", "ib_local", "eth"] | None = None
     """UCX_IB_ADDR_TYPE: ib_global (routed IB), ib_local, eth (RoCE); unset: UCX's choice."""
 
+    @model_validator(mode="after")
+    def _device_plugin_resource(self) -> RdmaSpec:
+        if self.count and "/" not in self.resource_name:
+            raise ValueError(
+                "network.rdma.resourceName must be a device-plugin resource such as "
+                "rdma/hca_shared_devices_a"
+            )
+        return self
+
 
 class NetworkSpec(_Model):
     """Compute and storage networks of the worker pods."""
@@ -623,6 +652,15 @@ class ClusterSpec(_Model):
     frontend: FrontendSpec = FrontendSpec()
     """OpenAI-compatible HTTP frontend."""
 
+    @model_validator(mode="after")
+    def _decode_for_prefill(self) -> ClusterSpec:
+        if self.prefill.replicas > 0 and self.decode.replicas == 0:
+            raise ValueError(
+                "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands "
+                "every request's KV to a decode node"
+            )
+        return self
+
     def pool(self, role: Role | str) -> PoolSpec:
         return self.prefill if Role(role) is Role.PREFILL else self.decode
 
@@ -670,7 +708,9 @@ NAME_MESSAGE = (
 def _format_error(err: ValidationError, prefix: str) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join([prefix, *(str(p) for p in e["loc"])]) if e["loc"] else prefix
+        # camelCase as on the wire (a preset's fields come back under their Python names)
+        parts = [to_camel(p) if isinstance(p, str) and "_" in p else str(p) for p in e["loc"]]
+        loc = ".".join([prefix, *parts])
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"

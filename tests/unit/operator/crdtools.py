@@ -4,6 +4,7 @@ check (with kubectl's strict field validation) and the CEL rules."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import celpy
@@ -88,8 +89,10 @@ def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
 
 
 def defaulted(cr: dict[str, Any], crd: dict[str, Any]) -> dict[str, Any]:
-    """The object as the API server stores it (and the operator reads it)."""
-    return apply_defaults(copy.deepcopy(cr), crd_schema(crd))
+    """The object as the API server stores it and the operator reads it: defaulted, and every
+    map's keys sorted (Go's JSON encoding of an unstructured object)."""
+    obj = apply_defaults(copy.deepcopy(cr), crd_schema(crd))
+    return json.loads(json.dumps(obj, sort_keys=True))
 
 
 def admit(cr: dict[str, Any], crd: dict[str, Any]) -> list[str]:
