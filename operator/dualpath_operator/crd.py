@@ -2,7 +2,10 @@
 
 pydantic's JSON schema -> a structural OpenAPI v3 schema: $refs inlined, `anyOf [X, null]` ->
 `nullable`, no titles, 2020-style exclusive bounds -> OpenAPI 3.0 booleans, free-form maps
-preserved. CEL rules carry the cross-field checks with messages a person understands.
+preserved, int-or-string quantities kept as Kubernetes writes them. CEL rules carry the
+cross-field checks with messages a person understands; the model refuses the same specs.
+A nested model's default is only what differs from its fields' defaults (the API server fills
+the rest), and preset-filled model fields have none, so a preset is never beaten by a default.
 """
 
 from __future__ import annotations

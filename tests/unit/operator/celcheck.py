@@ -205,8 +205,9 @@ def _size(node: dict[str, Any]) -> tuple[int, bool]:
 
 def estimated_cost(root: dict[str, Any], crd_root: bool = True) -> dict[str, int]:
     """{rule: estimated cost} of the length-dependent calls, as cel-go's checker estimates them:
-    matches ~ 0.1 * len(string) * 0.25 * len(regex); contains/startsWith ~ 0.1 * len;
-    a comprehension ~ its list's size times a body of at most 10."""
+    matches ~ 0.1 * (len(string) + 1) * 0.25 * len(regex); contains ~ 0.1 * len(string) *
+    0.1 * len(substring); startsWith ~ 0.1 * len(prefix); a comprehension ~ its list's size
+    times a body of at most 10."""
     costs = {}
     for path, node in walk(root):
         for rule in node.get("x-kubernetes-validations") or []:
@@ -216,11 +217,13 @@ def estimated_cost(root: dict[str, Any], crd_root: bool = True) -> dict[str, int
                 if operand is None:
                     continue
                 size, _ = _size(operand)
+                arg = len(single or double)
                 if fn == "matches":
-                    regex = len(single or double)
-                    total += math.ceil(0.1 * (size + 1)) * math.ceil(0.25 * regex)
-                elif fn in ("contains", "startsWith", "endsWith"):
-                    total += math.ceil(0.1 * size)
+                    total += math.ceil(0.1 * (size + 1)) * math.ceil(0.25 * arg)
+                elif fn == "contains":
+                    total += math.ceil(0.1 * size) * math.ceil(0.1 * arg)
+                elif fn in ("startsWith", "endsWith"):  # bounded by the affix
+                    total += math.ceil(0.1 * arg)
                 else:
                     total += size * 10
             costs[rule["rule"]] = total
