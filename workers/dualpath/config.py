@@ -136,7 +136,7 @@ class RopeScaling(_Model):
 class ModelSpec(_Model):
     """Model dimensions. `preset` fills every dimension not given explicitly."""
 
-    name: str = "dualpath-tiny"
+    name: str = Field(default="dualpath-tiny", min_length=1)
     """Served model name (the OpenAI `model` field); part of the KV fingerprint. Default: the
     preset's."""
     preset: str | None = "tiny"
