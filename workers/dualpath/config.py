@@ -488,6 +488,10 @@ class StorageSpec(_Model):
         missing = [k for k in VOLUME_SOURCES[kind] if k not in source]
         if missing:
             raise ValueError(f"{kind} needs {', '.join(missing)}")
+        for key in VOLUME_SOURCES[kind]:  # typed as in _volume_schema
+            want = list if key == "monitors" else str
+            if not isinstance(source[key], want):
+                raise ValueError(f"{kind}.{key} must be a {'list' if want is list else 'string'}")
         return volume
 
 

@@ -160,6 +160,7 @@ BAD_CRS = [
     ),
     ("x", {"storage": {"volume": {"persistentVolumeClaim": {}}}}, "claimName", "claimName"),
     ("x", {"storage": {"volume": {}}}, "volume", "exactly one volume source"),
+    ("x", {"storage": {"volume": {"nfs": {"server": "a", "path": 5}}}}, "path", "nfs.path"),
     ("x", {"model": {"ropeTheta": 0}}, "ropeTheta", "spec.model.ropeTheta"),
     ("x", {"model": {"ropeTheta": -1.5}}, "ropeTheta", "spec.model.ropeTheta"),
     ("x", {"model": {"image": ""}}, "image", "spec.model.image"),
