@@ -5,6 +5,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from celcheck import walk
 from crdtools import admit
 from dualpath import config
 from dualpath_operator import crd
@@ -24,22 +25,13 @@ def test_crds_are_valid_kubernetes_objects(version):
         kubernetes_validate.validate(yaml.safe_load(text.split("\n", 1)[1]), version, strict=True)
 
 
-def _walk(node, path=""):
-    yield path, node
-    for key, sub in (node.get("properties") or {}).items():
-        yield from _walk(sub, f"{path}.{key}")
-    for key in ("items", "additionalProperties"):
-        if isinstance(node.get(key), dict):
-            yield from _walk(node[key], f"{path}[*]")
-
-
 @pytest.mark.parametrize("make", [crd.cluster_crd, crd.pool_crd])
 def test_crd_schemas_are_structural(make):
     # the API server refuses $ref; every node has a type, except int-or-string (whose anyOf
     # may only list integer and string) and schemaless preserve-unknown nodes
     text = yaml.safe_dump(make())
     assert "$ref" not in text and "$defs" not in text and "propertyNames" not in text
-    for path, node in _walk(make()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]):
+    for path, node in walk(make()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]):
         if node.get("x-kubernetes-int-or-string"):
             assert "type" not in node and node.get("anyOf", []) in (
                 [],
@@ -52,7 +44,7 @@ def test_crd_schemas_are_structural(make):
 @pytest.mark.parametrize("make", [crd.cluster_crd, crd.pool_crd])
 def test_every_field_is_described_for_kubectl_explain(make):
     schema = make()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    fields = [(p, n) for p, n in _walk(schema) if p and not p.endswith("[*]")]
+    fields = [(p, n) for p, n in walk(schema) if p and not p.endswith("[*]")]
     assert len(fields) >= 8
     undescribed = [p for p, n in fields if not n.get("description", "").strip()]
     assert undescribed == []

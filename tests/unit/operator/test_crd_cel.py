@@ -4,8 +4,8 @@ way kube-apiserver checks them when the CRD is created, and stays within its cos
 import copy
 
 import pytest
-from celcheck import COST_LIMIT, check_rules, estimated_cost, unbounded_operands
-from crdtools import admit, crd_schema
+from celcheck import COST_LIMIT, check_rules, estimated_cost, unbounded_operands, walk
+from crdtools import admit, apply_defaults, cel_errors, crd_schema, schema_errors
 from dualpath_operator import crd
 
 CRDS = {"clusters": crd.cluster_crd, "pools": crd.pool_crd}
@@ -14,15 +14,9 @@ CRDS = {"clusters": crd.cluster_crd, "pools": crd.pool_crd}
 @pytest.mark.parametrize("which", CRDS)
 def test_every_rule_compiles_and_type_checks(which):
     schema = crd_schema(CRDS[which]())
-    rules = [r for node in _nodes(schema) for r in node.get("x-kubernetes-validations", [])]
+    rules = [r for _, node in walk(schema) for r in node.get("x-kubernetes-validations", [])]
     assert rules, "no rules found: the walk is broken"
     assert check_rules(schema) == {}
-
-
-def _nodes(node):
-    yield node
-    for sub in (node.get("properties") or {}).values():
-        yield from _nodes(sub)
 
 
 def _with_model_rule(rule):
@@ -106,3 +100,18 @@ def test_preset_null_with_explicit_dims_passes_the_fixed_rule_at_runtime():
         "spec": {"model": {"preset": None, "vocabSize": 32, **dims}},
     }
     assert admit(cr, crd.cluster_crd()) == []
+
+
+@pytest.mark.parametrize("which", CRDS)
+def test_every_default_passes_its_nodes_schema_and_rules(which):
+    # the API server validates each default (after defaulting inside it) when the CRD is
+    # created, rules included: that is where issue 14's compile error surfaced
+    schema = crd_schema(CRDS[which]())
+    checked = 0
+    for path, node in walk(schema):
+        if "default" in node:
+            value = apply_defaults(copy.deepcopy(node["default"]), node)
+            assert schema_errors(value, node) == [], path
+            assert cel_errors(value, node, path) == [], path
+            checked += 1
+    assert checked >= (10 if which == "clusters" else 0)
