@@ -2,7 +2,10 @@
 
 pydantic's JSON schema -> a structural OpenAPI v3 schema: $refs inlined, `anyOf [X, null]` ->
 `nullable`, no titles, 2020-style exclusive bounds -> OpenAPI 3.0 booleans, free-form maps
-preserved. CEL rules carry the cross-field checks with messages a person understands.
+preserved, int-or-string quantities kept as Kubernetes writes them. CEL rules carry the
+cross-field checks with messages a person understands; the model refuses the same specs.
+A nested model's default is only what differs from its fields' defaults (the API server fills
+the rest), and preset-filled model fields have none, so a preset is never beaten by a default.
 """
 
 from __future__ import annotations
@@ -13,56 +16,114 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from dualpath.config import API_GROUP, API_VERSION, MODEL_PRESETS, ClusterSpec
+from dualpath.config import (
+    API_GROUP,
+    API_VERSION,
+    DNS1035_LABEL,
+    MAX_NAME_LENGTH,
+    METRICS_PORT,
+    MODEL_PRESETS,
+    NAME_MESSAGE,
+    PRESET_FIELDS,
+    STORAGE_PATH_MESSAGE,
+    ClusterSpec,
+    ModelSpec,
+)
+from pydantic import BaseModel
+from pydantic.alias_generators import to_camel
+from pydantic.json_schema import GenerateJsonSchema
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
 CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
 
-# CEL rules per schema path (dotted, under spec): (rule, message).
+_PRESETS = repr(sorted(MODEL_PRESETS)).replace("'", '"')
+
+# CEL rules per schema path (dotted; "" is the object root, "spec" its spec): (rule, message).
+# The pydantic model refuses the same specs (tests/unit/operator/test_crd.py checks both). Rules
+# are compiled and type-checked against the schema's types like the API server does
+# (tests/unit/operator/celcheck.py): a nullable field is typed as its base type, so a null is
+# told apart with type(x) == null_type, never x == null.
 CEL_RULES: dict[str, list[tuple[str, str]]] = {
     "": [
+        (
+            f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
+            f"self.metadata.name.matches('{DNS1035_LABEL}')",
+            f"metadata.name {NAME_MESSAGE}",
+        ),
+    ],
+    "spec": [
         (
             "self.prefill.replicas == 0 || self.decode.replicas > 0",
             "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands every "
             "request's KV to a decode node",
         ),
     ],
-    "model": [
+    "spec.model": [
         (
-            "!has(self.preset) || self.preset == null || self.preset in "
-            + repr(sorted(MODEL_PRESETS)).replace("'", '"'),
+            "!has(self.preset) || type(self.preset) == null_type || self.preset in " + _PRESETS,
             "model.preset must be one of "
             + ", ".join(sorted(MODEL_PRESETS))
-            + " (or omit it and give the dimensions)",
+            + " (or null, giving the dimensions)",
         ),
         (
-            "!has(self.kvHeads) || self.kvHeads == 0 || self.heads % self.kvHeads == 0",
+            "!has(self.kvHeads) || !has(self.heads) || self.kvHeads == 0 || "
+            "self.heads % self.kvHeads == 0",
             "model.heads must be a multiple of model.kvHeads (grouped-query attention)",
         ),
     ],
-    "network.qos": [
+    "spec.storage": [
+        ("self.path.startsWith('/')", STORAGE_PATH_MESSAGE),
+    ],
+    "spec.network.qos": [
         (
             "!self.enabled || self.model.serviceLevel != self.kv.serviceLevel",
             "network.qos.model.serviceLevel and network.qos.kv.serviceLevel must differ, or KV "
             "traffic is not isolated from the model's collectives",
         ),
     ],
-    "network.rdma": [
+    "spec.network.rdma": [
         (
             "self.count == 0 || self.resourceName.contains('/')",
             "network.rdma.resourceName must be a device-plugin resource such as "
             "rdma/hca_shared_devices_a",
         ),
     ],
-    "scheduler": [
+    "spec.scheduler": [
         (
             "self.nodeTimeoutMs > 2 * self.heartbeatIntervalMs",
             "scheduler.nodeTimeoutMs must exceed twice scheduler.heartbeatIntervalMs, or healthy "
             "nodes are dropped between heartbeats",
         ),
+        (
+            f"self.port != {METRICS_PORT}",
+            f"scheduler.port must not be the metrics port {METRICS_PORT}",
+        ),
+    ],
+    "spec.frontend": [
+        (
+            f"self.port != {METRICS_PORT}",
+            f"frontend.port must not be the metrics port {METRICS_PORT}",
+        ),
+        (
+            "self.maxNewTokens <= self.maxContextTokens",
+            "frontend.maxNewTokens must be at most frontend.maxContextTokens",
+        ),
     ],
 }
+
+
+class _DefaultsAsObjects(GenerateJsonSchema):
+    """A nested model's default is written as what differs from its own fields' defaults: the
+    API server fills the rest field by field. A model's preset-filled dims are left out."""
+
+    def encode_default(self, dft: Any) -> Any:
+        if isinstance(dft, BaseModel):
+            exclude = set(PRESET_FIELDS) if isinstance(dft, ModelSpec) else None
+            return dft.model_dump(
+                mode="json", by_alias=True, exclude_defaults=True, exclude=exclude
+            )
+        return super().encode_default(dft)
 
 
 def _strip_none(value: Any) -> Any:
@@ -79,7 +140,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
-    if "anyOf" in node:
+    if "anyOf" in node and not node.get("x-kubernetes-int-or-string"):
         options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
         if len(options) == 1:
             node = {**options[0], **node, "nullable": True}
@@ -87,6 +148,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         target = copy.deepcopy(defs[node.pop("$ref").rsplit("/", 1)[-1]])
         node = {**target, **node}
     node.pop("title", None)
+    if "description" in node:  # docstrings wrap; kubectl explain wraps again
+        node["description"] = " ".join(node["description"].split())
     if "const" in node:
         node["enum"] = [node.pop("const")]
     if "default" in node:
@@ -111,44 +174,60 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
 
 
 def spec_schema() -> dict[str, Any]:
-    raw = ClusterSpec.model_json_schema(by_alias=True)
+    raw = ClusterSpec.model_json_schema(by_alias=True, schema_generator=_DefaultsAsObjects)
     defs = raw.pop("$defs", {})
     schema = _structural(raw, defs)
+    for field in PRESET_FIELDS:  # unset, they come from the preset
+        schema["properties"]["model"]["properties"][to_camel(field)].pop("default", None)
+    return schema
+
+
+def _with_rules(root: dict[str, Any]) -> dict[str, Any]:
     for path, rules in CEL_RULES.items():
-        target = schema
+        target = root
         for part in filter(None, path.split(".")):
             target = target["properties"][part]
         target["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
-    return schema
+    return root
+
+
+def _int(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "integer", "description": description, **extra}
+
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
 
 
 def _conditions_schema() -> dict[str, Any]:
     return {
         "type": "array",
+        "description": "Ready, Progressing and Degraded, as Kubernetes conditions.",
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["type"],
         "items": {
             "type": "object",
             "required": ["type", "status"],
             "properties": {
-                "type": {"type": "string"},
-                "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-                "reason": {"type": "string"},
-                "message": {"type": "string"},
-                "lastTransitionTime": {"type": "string", "format": "date-time"},
-                "observedGeneration": {"type": "integer"},
+                "type": _str("Ready, Progressing or Degraded."),
+                "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+                "reason": _str("Why, in one CamelCase word."),
+                "message": _str("Why, for a person."),
+                "lastTransitionTime": _str("When status last changed.", format="date-time"),
+                "observedGeneration": _int("The metadata.generation this condition is about."),
             },
         },
     }
 
 
-def _pool_status() -> dict[str, Any]:
+def _pool_status(role: str) -> dict[str, Any]:
     return {
         "type": "object",
+        "description": f"The {role} StatefulSet's pods.",
         "properties": {
-            "replicas": {"type": "integer"},
-            "readyReplicas": {"type": "integer"},
-            "updatedReplicas": {"type": "integer"},
+            "replicas": _int("Pods that exist."),
+            "readyReplicas": _int("Pods that are ready."),
+            "updatedReplicas": _int("Pods running the current template."),
         },
     }
 
@@ -156,14 +235,15 @@ def _pool_status() -> dict[str, Any]:
 def cluster_crd() -> dict[str, Any]:
     status = {
         "type": "object",
+        "description": "What the operator last observed; written by the operator only.",
         "properties": {
-            "observedGeneration": {"type": "integer"},
-            "phase": {"type": "string"},
-            "configHash": {"type": "string"},
-            "schedulerEndpoint": {"type": "string"},
-            "frontendEndpoint": {"type": "string"},
-            "prefill": _pool_status(),
-            "decode": _pool_status(),
+            "observedGeneration": _int("The metadata.generation last reconciled."),
+            "phase": _str("Ready, Progressing or Degraded (the conditions are authoritative)."),
+            "configHash": _str("Hash of the rendered config the pods run."),
+            "schedulerEndpoint": _str("host:port of the scheduler's gRPC Service."),
+            "frontendEndpoint": _str("host:port of the frontend's HTTP Service."),
+            "prefill": _pool_status("prefill"),
+            "decode": _pool_status("decode"),
             "conditions": _conditions_schema(),
         },
     }
@@ -174,30 +254,34 @@ def cluster_crd() -> dict[str, Any]:
         ("Reason", '.status.conditions[?(@.type=="Ready")].reason', "string", "why"),
         ("Age", ".metadata.creationTimestamp", "date", "age"),
     ]
-    return _crd(
-        "DualPathCluster",
-        "dualpathclusters",
-        ["dpc"],
-        {
-            "type": "object",
-            "properties": {"spec": spec_schema(), "status": status},
+    root = {
+        "type": "object",
+        "description": "A DualPath inference cluster: model, prefill and decode pools, KV "
+        "storage, network, scheduler and frontend.",
+        "required": ["spec"],
+        "properties": {
+            "spec": {**spec_schema(), "description": "The desired cluster."},
+            "status": status,
         },
-        cols,
-        scale=None,
-    )
+    }
+    return _crd("DualPathCluster", "dualpathclusters", ["dpc"], _with_rules(root), cols, None)
 
 
 def pool_crd() -> dict[str, Any]:
     schema = {
         "type": "object",
+        "description": "One role's workers of a DualPathCluster; scale it with kubectl scale "
+        "or an HPA.",
+        "required": ["spec"],
         "properties": {
             "spec": {
                 "type": "object",
+                "description": "Which cluster and role, and how many workers.",
                 "required": ["cluster", "role", "replicas"],
                 "properties": {
-                    "cluster": {"type": "string", "description": "owning DualPathCluster"},
-                    "role": {"type": "string", "enum": ["prefill", "decode"]},
-                    "replicas": {"type": "integer", "minimum": 0, "maximum": 4096},
+                    "cluster": _str("The owning DualPathCluster (immutable).", maxLength=253),
+                    "role": _str("prefill or decode (immutable).", enum=["prefill", "decode"]),
+                    "replicas": _int("Desired workers.", minimum=0, maximum=4096),
                 },
                 "x-kubernetes-validations": [
                     {
@@ -208,10 +292,11 @@ def pool_crd() -> dict[str, Any]:
             },
             "status": {
                 "type": "object",
+                "description": "The workers' StatefulSet as last observed.",
                 "properties": {
-                    "replicas": {"type": "integer"},
-                    "readyReplicas": {"type": "integer"},
-                    "selector": {"type": "string"},
+                    "replicas": _int("Workers that exist."),
+                    "readyReplicas": _int("Workers that are ready."),
+                    "selector": _str("Label selector of the workers (for the scale subresource)."),
                 },
             },
         },

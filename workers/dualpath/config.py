@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "dualpath.io"
@@ -32,9 +42,29 @@ class ConfigError(ValueError):
 
 class _Model(BaseModel):
     # extra="forbid": a misspelt field is an error naming it, not a silently ignored key.
+    # Field docstrings are the descriptions `kubectl explain` shows (emitted into the CRD).
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
     )
+
+    @field_validator("*")
+    @classmethod
+    def _sorted_maps(cls, value: Any) -> Any:
+        # The API server hands the operator every map with its keys sorted (Go's JSON), a file
+        # keeps them as written: sorted here, both render and hash the same.
+        return _sort_keys(value) if isinstance(value, dict) else value
+
+
+def _sort_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sort_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sort_keys(v) for v in value]
+    return value
 
 
 class Role(str, Enum):
@@ -44,16 +74,57 @@ class Role(str, Enum):
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1}
 
+# A cluster's children are `<name>-<suffix>` (longest: `-scheduler`); its StatefulSets
+# `<name>-prefill` must stay within 52 characters, or their pods get no controller-revision-hash
+# label (`<statefulset>-<10-char hash>` <= 63). So a name is a DNS-1035 label (Services are named
+# after it) of at most 52 - len("-prefill") = 44 characters, and children are never truncated.
+MAX_NAME_LENGTH = 44
+DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# The port every process serves /metrics on; a component's own port must not take it.
+METRICS_PORT = 9090
+# Kubernetes' resource.Quantity (as in every generated CRD): 4, 500m, 16Gi, 1e3.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def _quantity(value: Any) -> Any:
+    # int-or-string as in any Kubernetes YAML: `cpu: 4` and `cpu: "4"` are the same quantity
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str) and re.fullmatch(QUANTITY_PATTERN, value):
+        return value
+    raise ValueError("must be a Kubernetes quantity such as 4, 500m or 16Gi")
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+
 
 class RopeScaling(_Model):
     """Llama 3's RoPE frequency scaling (`rope_type: llama3` in a checkpoint's config.json):
     long wavelengths are divided by `factor`, short ones kept, the band between blended."""
 
     type: Literal["llama3"] = "llama3"
+    """Scaling scheme; only llama3 is implemented."""
     factor: float = Field(gt=0)
+    """Divisor of the long wavelengths (Llama 3.1: 8)."""
     low_freq_factor: float = Field(default=1.0, gt=0)
+    """Wavelengths above originalMaxPositionEmbeddings / lowFreqFactor are fully scaled."""
     high_freq_factor: float = Field(default=4.0, gt=0)
+    """Wavelengths below originalMaxPositionEmbeddings / highFreqFactor are kept."""
     original_max_position_embeddings: int = Field(default=8192, gt=0)
+    """Context length the model was pre-trained with."""
 
     @model_validator(mode="after")
     def _check_band(self) -> RopeScaling:
@@ -65,31 +136,51 @@ class RopeScaling(_Model):
 class ModelSpec(_Model):
     """Model dimensions. `preset` fills every dimension not given explicitly."""
 
-    name: str = "dualpath-tiny"
+    name: str = Field(default="dualpath-tiny", min_length=1)
+    """Served model name (the OpenAI `model` field); part of the KV fingerprint. Default: the
+    preset's."""
     preset: str | None = "tiny"
-    image: str = "ghcr.io/dualpath/dualpath:0.1.0"
-    checkpoint_path: str | None = Field(
-        default=None, description="local dir with config.json + *.safetensors (Llama/Qwen2)"
-    )
+    """Named shape filling every dimension not given: tiny, small, llama3-8b, qwen2.5-32b,
+    deepseek-v3.2, dsmla-27b; null to give all dimensions explicitly."""
+    image: str = Field(default="ghcr.io/dualpath/dualpath:0.1.0", min_length=1)
+    """Container image of every DualPath process."""
+    checkpoint_path: str | None = None
+    """Local dir with config.json + *.safetensors (Llama/Qwen2); unset: random weights."""
     attention: Literal["gqa", "mla"] = "gqa"
+    """gqa (grouped-query, K and V cached) or mla (DeepSeek latent cached). Default: the
+    preset's."""
     layers: int = Field(default=0, ge=0, le=512)
+    """Transformer layers (0 or unset: the preset's)."""
     hidden_size: int = Field(default=0, ge=0)
+    """Model width (0 or unset: the preset's)."""
     heads: int = Field(default=0, ge=0)
+    """Attention heads (0 or unset: the preset's)."""
     kv_heads: int = Field(default=0, ge=0)
+    """K/V heads of grouped-query attention; divides heads (0 or unset: the preset's)."""
     head_dim: int = Field(default=0, ge=0)
+    """Dimension of one head (0 or unset: the preset's)."""
     intermediate_size: int = Field(default=0, ge=0)
+    """MLP width (0 or unset: the preset's)."""
     vocab_size: int = Field(default=0, ge=0)
-    # MLA (DeepSeek-style): the cached latent per token per layer is kv_lora_rank + rope_head_dim.
+    """Vocabulary size (0 or unset: the preset's)."""
     kv_lora_rank: int = Field(default=0, ge=0)
+    """MLA: latent rank; the cached latent per token per layer is kvLoraRank + ropeHeadDim."""
     rope_head_dim: int = Field(default=0, ge=0)
-    # Active parameters per token, for the simulator's FLOPs model (0 = derive from dims).
+    """MLA: rotary part of the cached latent."""
     active_params: int = Field(default=0, ge=0)
+    """Active parameters per token, for the simulator's FLOPs model (0: derived from dims)."""
     dtype: Literal["float16", "bfloat16", "float32", "float8"] = "float32"
+    """Weights and KV cache element type. Default: the preset's."""
     block_tokens: int = Field(default=64, ge=1, le=4096)
+    """Tokens per KV block: the unit of storage, lookup and transfer."""
     seed: int = 0
-    rope_theta: float = 10000.0
+    """Seed of random weights (no checkpoint); part of the KV fingerprint."""
+    rope_theta: float = Field(default=10000.0, gt=0)
+    """RoPE base frequency (Llama 3: 500000)."""
     rope_scaling: RopeScaling | None = None
-    rms_norm_eps: float = 1e-6
+    """Llama 3 RoPE scaling; unset: none."""
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    """Epsilon of RMSNorm."""
 
     @model_validator(mode="before")
     @classmethod
@@ -108,8 +199,10 @@ class ModelSpec(_Model):
         by_alias = {to_camel(f): f for f in cls.model_fields}
         merged = dict(MODEL_PRESETS[preset])
         for key, value in data.items():
-            if value not in (None, 0) or key == "seed":
-                merged[by_alias.get(key, key)] = value
+            field = by_alias.get(key, key)
+            if value is None or (value == 0 and field in PRESET_FIELDS):
+                continue  # unset (or a 0 dimension): the preset's
+            merged[field] = value
         merged["preset"] = preset
         return merged
 
@@ -180,6 +273,7 @@ class ModelSpec(_Model):
 # shapes of real models (KV sizes drive the simulator and the store benchmark).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
+        name="dualpath-tiny",
         layers=4,
         hidden_size=64,
         heads=4,
@@ -190,6 +284,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         dtype="float32",
     ),
     "small": dict(
+        name="dualpath-small",
         layers=8,
         hidden_size=512,
         heads=8,
@@ -260,64 +355,176 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-
-class ResourceList(_Model):
-    model_config = ConfigDict(extra="allow", frozen=True)
+# Fields a preset fills: they get no schema default in the CRD (an API-server default would look
+# explicit and beat the preset); unset, they come from the preset (or the model's own default).
+PRESET_FIELDS = frozenset(k for preset in MODEL_PRESETS.values() for k in preset)
 
 
 class Toleration(_Model):
+    """A Kubernetes toleration copied into every worker pod."""
+
     key: str | None = None
+    """Taint key to tolerate; unset with operator Exists: every taint."""
     operator: Literal["Exists", "Equal"] = "Equal"
+    """Exists (any value) or Equal (value must match)."""
     value: str | None = None
+    """Taint value, for operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to tolerate; unset: every effect."""
+
+
+class Resources(_Model):
+    """Container resources of a worker pod, as in any pod spec (`cpu: 4`, `memory: 16Gi`)."""
+
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=32)
+    """Most of each resource a worker may use."""
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=32)
+    """Resources reserved for each worker."""
 
 
 class PoolSpec(_Model):
     """One role's pool of worker pods (prefill or decode)."""
 
     replicas: int = Field(default=1, ge=0, le=4096)
+    """Worker pods of this role; scale with `kubectl scale dualpathpool/<name>-<role>`."""
     gpus_per_pod: int = Field(default=0, ge=0, le=16)
-    image: str | None = None
-    resources: dict[str, dict[str, str]] = Field(default_factory=dict)
+    """nvidia.com/gpu per worker pod (0: CPU)."""
+    image: str | None = Field(default=None, min_length=1)
+    """Worker image; unset: model.image."""
+    resources: Resources = Field(default_factory=Resources)
+    """Extra container resources; GPUs and the RDMA device are added from gpusPerPod and
+    network.rdma."""
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    # KV host buffer per node (decode: the path-D staging buffer; prefill: the load buffer).
+    """Node labels the worker pods must match."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    """Taints the worker pods tolerate."""
     kv_buffer_bytes: int = Field(default=1 << 30, ge=1 << 20)
-    # Local emulation / simulator: prefill throughput of one node (tokens/s) when known.
+    """KV host buffer per node (decode: the path-D staging buffer; prefill: the load buffer)."""
     prefill_tokens_per_s: int = Field(default=0, ge=0)
+    """Local emulation / simulator: prefill throughput of one node (tokens/s); 0: unknown."""
+
+
+# The volume sources a KV directory can live on, with the keys each one needs.
+VOLUME_SOURCES: dict[str, tuple[str, ...]] = {
+    "persistentVolumeClaim": ("claimName",),
+    "nfs": ("server", "path"),
+    "hostPath": ("path",),
+    "csi": ("driver",),
+    "cephfs": ("monitors",),
+    "glusterfs": ("endpoints", "path"),
+    "azureFile": ("secretName", "shareName"),
+    "ephemeral": (),
+    "emptyDir": (),
+}
+
+
+def _volume_schema() -> dict[str, Any]:
+    def source(name: str, needs: tuple[str, ...]) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "type": "object",
+            "description": f"A Kubernetes {name} volume source (as in a pod's volumes).",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
+        if needs:
+            node["required"] = list(needs)
+            node["properties"] = {
+                k: {
+                    "type": "array" if k == "monitors" else "string",
+                    "description": f"{k} of the {name} source",
+                }
+                | ({"items": {"type": "string"}} if k == "monitors" else {})
+                for k in needs
+            }
+        return node
+
+    return {
+        "type": "object",
+        "nullable": True,
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": {k: source(k, needs) for k, needs in VOLUME_SOURCES.items()},
+    }
 
 
 class StorageSpec(_Model):
     """Where KV blocks live: a POSIX directory (3FS FUSE, NFS, CephFS, Lustre, local disk)."""
 
     backend: Literal["posix"] = "posix"
-    path: str = "/var/lib/dualpath/kv"
-    # A Kubernetes volume source for `path` (e.g. {"persistentVolumeClaim": {"claimName": x}}).
-    volume: dict[str, Any] | None = None
+    """Store backend; posix: one file per block in a shared directory."""
+    path: str = Field(default="/var/lib/dualpath/kv", min_length=1, max_length=4096)
+    """Absolute path of the KV directory, mounted there in every worker pod."""
+    volume: Annotated[dict[str, Any] | None, WithJsonSchema(_volume_schema())] = None
+    """Kubernetes volume source for path: exactly one of persistentVolumeClaim, nfs, hostPath,
+    csi, cephfs, glusterfs, azureFile, ephemeral, emptyDir; unset: a private emptyDir per pod."""
     capacity_bytes: int = Field(default=64 << 30, ge=1 << 20)
-    # Storage NIC bandwidth per node; 0 = uncapped (real hardware). Locally it is a token bucket.
+    """Bytes of KV the store may hold before evicting."""
     snic_gbps: float = Field(default=0.0, ge=0.0)
+    """Storage NIC bandwidth per node; 0: uncapped (real hardware). Locally a token bucket."""
     read_concurrency: int = Field(default=8, ge=1, le=1024)
-    # Read blocks through NIXL's POSIX plugin instead of preadv. Off by default: on a POSIX
-    # directory NIXL POSIX costs ~110 us a transfer and copies slower, so the store reads at
-    # 0.68-0.85 of a plain read against 0.82-0.93 for preadv (`dualpath bench store`, docs/kv.md).
+    """Block reads in flight per node."""
+    # Off by default: on a POSIX directory NIXL POSIX costs ~110 us a transfer and copies slower,
+    # so the store reads at 0.68-0.85 of a plain read against 0.82-0.93 for preadv
+    # (`dualpath bench store`, docs/kv.md).
     use_nixl: bool = False
+    """Read blocks through NIXL's POSIX plugin instead of preadv."""
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not path.startswith("/"):
+            raise ValueError(STORAGE_PATH_MESSAGE)
+        return path
+
+    @field_validator("volume")
+    @classmethod
+    def _one_source(cls, volume: dict[str, Any] | None) -> dict[str, Any] | None:
+        if volume is None:
+            return None
+        if len(volume) != 1 or next(iter(volume)) not in VOLUME_SOURCES:
+            raise ValueError(f"{VOLUME_MESSAGE} (got {sorted(volume)})")
+        kind, source = next(iter(volume.items()))
+        if not isinstance(source, dict):
+            raise ValueError(f"{kind} must be a mapping")
+        missing = [k for k in VOLUME_SOURCES[kind] if k not in source]
+        if missing:
+            raise ValueError(f"{kind} needs {', '.join(missing)}")
+        for key in VOLUME_SOURCES[kind]:  # typed as in _volume_schema
+            want = list if key == "monitors" else str
+            if not isinstance(source[key], want):
+                raise ValueError(f"{kind}.{key} must be a {'list' if want is list else 'string'}")
+        return volume
+
+
+STORAGE_PATH_MESSAGE = "storage.path must be an absolute path: it is the mount path in every pod"
+VOLUME_MESSAGE = "storage.volume must have exactly one volume source, one of " + ", ".join(
+    VOLUME_SOURCES
+)
 
 
 class TrafficClassSpec(_Model):
+    """An InfiniBand service level and a RoCE/IP traffic class."""
+
     service_level: int = Field(ge=0, le=15)
+    """InfiniBand service level (SL), 0-15."""
     traffic_class: int = Field(ge=0, le=255)
+    """Traffic class (RoCE DSCP << 2), 0-255."""
 
 
 class QosSpec(_Model):
     """IB QoS of DESIGN section 5: model traffic high priority, KV traffic low priority."""
 
     enabled: bool = True
+    """Separate model and KV traffic by service level and virtual lane."""
     model: TrafficClassSpec = TrafficClassSpec(service_level=0, traffic_class=0)
+    """Model collectives (NCCL): high priority."""
     kv: TrafficClassSpec = TrafficClassSpec(service_level=2, traffic_class=64)
+    """KV transfers (UCX/NIXL): low priority."""
     kv_virtual_lane: int = Field(default=2, ge=0, le=14)
+    """Virtual lane the KV service level maps to."""
     high_weight: int = Field(default=99, ge=1, le=255)
+    """VL arbitration weight of model traffic."""
     low_weight: int = Field(default=1, ge=1, le=255)
+    """VL arbitration weight of KV traffic."""
 
     @model_validator(mode="after")
     def _distinct(self) -> QosSpec:
@@ -330,17 +537,36 @@ class QosSpec(_Model):
 
 
 class RdmaSpec(_Model):
-    resource_name: str = "rdma/hca_shared_devices_a"
+    """The RDMA device every worker pod requests."""
+
+    resource_name: str = Field(default="rdma/hca_shared_devices_a", min_length=1, max_length=253)
+    """Device-plugin resource of the RDMA NIC."""
     count: int = Field(default=1, ge=0, le=64)
+    """Devices per worker pod (0: no RDMA, TCP fallback)."""
     ib_addr_type: Literal["ib_global", "ib_local", "eth"] | None = None
+    """UCX_IB_ADDR_TYPE: ib_global (routed IB), ib_local, eth (RoCE); unset: UCX's choice."""
+
+    @model_validator(mode="after")
+    def _device_plugin_resource(self) -> RdmaSpec:
+        if self.count and "/" not in self.resource_name:
+            raise ValueError(
+                "network.rdma.resourceName must be a device-plugin resource such as "
+                "rdma/hca_shared_devices_a"
+            )
+        return self
 
 
 class NetworkSpec(_Model):
+    """Compute and storage networks of the worker pods."""
+
     rdma: RdmaSpec = RdmaSpec()
-    multus_networks: list[str] = Field(default_factory=list)
+    """RDMA device requested by every worker pod."""
+    multus_networks: list[str] = Field(default_factory=list, max_length=16)
+    """Multus networks attached to every worker pod (k8s.v1.cni.cncf.io/networks)."""
     qos: QosSpec = QosSpec()
-    # Compute NIC bandwidth per node for local emulation and the simulator; 0 = uncapped.
+    """InfiniBand QoS: service levels, traffic classes, VL arbitration."""
     cnic_gbps: float = Field(default=0.0, ge=0.0)
+    """Compute NIC bandwidth per node for local emulation and the simulator; 0: uncapped."""
 
 
 class PolicyName(str, Enum):
@@ -351,15 +577,22 @@ class PolicyName(str, Enum):
 
 
 class SchedulerSpec(_Model):
+    """The scheduler: picks a prefill and a decode node and the KV read path per request."""
+
     policy: PolicyName = PolicyName.DUALPATH
-    replicas: int = Field(default=1, ge=1, le=1)  # one active scheduler; state rebuilds on restart
-    # alpha: a read queue is "short" while it holds less than this many seconds of SNIC reading.
+    """dualpath (read path chosen per request), prefill-read, decode-read or round-robin."""
+    replicas: int = Field(default=1, ge=1, le=1)
+    """Always 1: one active scheduler; its state rebuilds on restart."""
     short_read_queue_seconds: float = Field(default=3.0, gt=0)
-    # beta: a prefill node is "overloaded" above this many seconds of queued prefill tokens.
+    """alpha: a read queue is short while it holds less than this many seconds of reading."""
     overloaded_prefill_seconds: float = Field(default=5.0, gt=0)
+    """beta: a prefill node is overloaded above this many seconds of queued prefill tokens."""
     heartbeat_interval_ms: int = Field(default=20, ge=1, le=10_000)
+    """How often each worker reports its load."""
     node_timeout_ms: int = Field(default=2000, ge=10, le=600_000)
+    """A worker silent this long is dropped; more than twice heartbeatIntervalMs."""
     port: int = Field(default=50051, ge=1, le=65535)
+    """gRPC port of the scheduler (not the metrics port 9090)."""
 
     @model_validator(mode="after")
     def _timeouts(self) -> SchedulerSpec:
@@ -367,26 +600,70 @@ class SchedulerSpec(_Model):
             raise ValueError("nodeTimeoutMs must exceed twice heartbeatIntervalMs")
         return self
 
+    @field_validator("port")
+    @classmethod
+    def _not_metrics(cls, port: int) -> int:
+        if port == METRICS_PORT:
+            raise ValueError(f"scheduler.port must not be the metrics port {METRICS_PORT}")
+        return port
+
 
 class FrontendSpec(_Model):
+    """The OpenAI-compatible HTTP frontend."""
+
     replicas: int = Field(default=1, ge=0, le=256)
+    """Frontend pods; 0: none."""
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Type of the frontend Service."""
     port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port (not the metrics port 9090)."""
     max_request_bytes: int = Field(default=4 << 20, ge=1024)
+    """Largest request body accepted."""
     max_context_tokens: int = Field(default=65536, ge=16)
+    """Longest prompt plus completion accepted."""
     max_new_tokens: int = Field(default=1024, ge=1)
+    """Longest completion; at most maxContextTokens."""
+
+    @field_validator("port")
+    @classmethod
+    def _not_metrics(cls, port: int) -> int:
+        if port == METRICS_PORT:
+            raise ValueError(f"frontend.port must not be the metrics port {METRICS_PORT}")
+        return port
+
+    @model_validator(mode="after")
+    def _new_tokens_fit(self) -> FrontendSpec:
+        if self.max_new_tokens > self.max_context_tokens:
+            raise ValueError("frontend.maxNewTokens must be at most frontend.maxContextTokens")
+        return self
 
 
 class ClusterSpec(_Model):
     """`spec` of a DualPathCluster."""
 
     model: ModelSpec = ModelSpec()
+    """The served model: a preset and/or explicit dimensions, image, checkpoint."""
     prefill: PoolSpec = PoolSpec(replicas=1)
+    """Prefill workers: compute prompts' KV, layer by layer."""
     decode: PoolSpec = PoolSpec(replicas=2)
+    """Decode workers: generate tokens; at least 1 when prefill has replicas."""
     storage: StorageSpec = StorageSpec()
+    """Shared KV block store."""
     network: NetworkSpec = NetworkSpec()
+    """RDMA, Multus networks and InfiniBand QoS."""
     scheduler: SchedulerSpec = SchedulerSpec()
+    """Request scheduler."""
     frontend: FrontendSpec = FrontendSpec()
+    """OpenAI-compatible HTTP frontend."""
+
+    @model_validator(mode="after")
+    def _decode_for_prefill(self) -> ClusterSpec:
+        if self.prefill.replicas > 0 and self.decode.replicas == 0:
+            raise ValueError(
+                "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands "
+                "every request's KV to a decode node"
+            )
+        return self
 
     def pool(self, role: Role | str) -> PoolSpec:
         return self.prefill if Role(role) is Role.PREFILL else self.decode
@@ -400,6 +677,13 @@ class ClusterConfig(BaseModel):
     name: str = "local"
     namespace: str = "default"
     spec: ClusterSpec = ClusterSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _child_names_fit(cls, name: str) -> str:
+        if len(name) > MAX_NAME_LENGTH or not re.fullmatch(DNS1035_LABEL, name):
+            raise ValueError(NAME_MESSAGE)
+        return name
 
     @property
     def config_hash(self) -> str:
@@ -418,10 +702,19 @@ class ClusterConfig(BaseModel):
         }
 
 
+NAME_MESSAGE = (
+    f"must be a DNS-1035 label (lowercase letters, digits and '-', starting with "
+    f"a letter) of at most {MAX_NAME_LENGTH} characters, so that every child "
+    "(<name>-scheduler, <name>-prefill-<n>, ...) is named after it in full"
+)
+
+
 def _format_error(err: ValidationError, prefix: str) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join([prefix, *(str(p) for p in e["loc"])]) if e["loc"] else prefix
+        # camelCase as on the wire (a preset's fields come back under their Python names)
+        parts = [to_camel(p) if isinstance(p, str) and "_" in p else str(p) for p in e["loc"]]
+        loc = ".".join([prefix, *parts])
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
@@ -449,9 +742,13 @@ def from_resource(obj: dict[str, Any]) -> ClusterConfig:
     name = meta.get("name")
     if not name:
         raise ConfigError("metadata.name: required")
-    return ClusterConfig(
-        name=name, namespace=meta.get("namespace") or "default", spec=parse_spec(obj.get("spec"))
-    )
+    if not isinstance(obj.get("spec"), dict):
+        raise ConfigError("spec: required (a mapping; {} takes every default)")
+    spec = parse_spec(obj["spec"])
+    try:
+        return ClusterConfig(name=name, namespace=meta.get("namespace") or "default", spec=spec)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, "metadata")) from None
 
 
 def load(path: str | Path) -> ClusterConfig:

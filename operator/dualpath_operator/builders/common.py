@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from dualpath.config import API_VERSION_FULL, KIND, ClusterConfig
+from dualpath.config import METRICS_PORT as METRICS_PORT  # one definition: the model checks ports
 
 OPERATOR_NAME = "dualpath-operator"
 CONFIG_HASH_KEY = "dualpath.io/config-hash"
 CLUSTER_LABEL = "dualpath.io/cluster"
 ROLE_LABEL = "dualpath.io/role"
 WORKER_GRPC_PORT = 50061
-METRICS_PORT = 9090
 FRONTEND_PORT_NAME = "http"
 CONFIG_MOUNT = "/etc/dualpath"
 CONFIG_FILE = f"{CONFIG_MOUNT}/cluster.yaml"

@@ -50,8 +50,8 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
     spec = cfg.spec
     pool: PoolSpec = spec.pool(role)
     net = spec.network
-    limits: dict[str, Any] = dict(pool.resources.get("limits", {}))
-    requests: dict[str, Any] = dict(pool.resources.get("requests", {}))
+    limits: dict[str, Any] = dict(pool.resources.limits)
+    requests: dict[str, Any] = dict(pool.resources.requests)
     if pool.gpus_per_pod:
         limits["nvidia.com/gpu"] = str(pool.gpus_per_pod)
         requests["nvidia.com/gpu"] = str(pool.gpus_per_pod)

@@ -356,7 +356,7 @@ def seed_storage(
     return that storage directory; each policy's run starts from a copy of it."""
     from dualpath.local.cluster import LocalCluster, with_overrides
 
-    seed = Path(args.out) / "seed-kv"
+    seed = Path(args.out).resolve() / "seed-kv"  # storage.path is absolute
     scfg = with_overrides(cfg, **{"storage.path": str(seed)})
     head = [
         Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens, t.start_s)
@@ -461,7 +461,7 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
     over: dict[str, Any] = {
         "prefill.replicas": args.prefill,
         "decode.replicas": args.decode,
-        "storage.path": str(Path(args.out) / "kv"),
+        "storage.path": str(Path(args.out).resolve() / "kv"),  # absolute, as the model asks
     }
     if args.snic_gbps:
         over["storage.snicGbps"] = args.snic_gbps
