@@ -183,21 +183,38 @@ def control_pod_template(
     cfg: ClusterConfig, component: Component, port: int, port_name: str
 ) -> dict[str, Any]:
     """Scheduler and frontend: no GPUs; no storage volume (they never touch storage)."""
+    if component is Component.FRONTEND:
+        # /health (readiness: the scheduler sees a prefill and a decode node) and /metrics on
+        # its HTTP port; no liveness endpoint of its own
+        ports = [{"name": port_name, "containerPort": port}]
+        probes = {
+            "readinessProbe": {
+                "httpGet": {"path": "/health", "port": port_name},
+                "periodSeconds": 5,
+            }
+        }
+    else:
+        ports = [
+            {"name": port_name, "containerPort": port},
+            {"name": "metrics", "containerPort": METRICS_PORT},
+        ]
+        probes = {
+            "readinessProbe": _probe("/readyz", "metrics"),
+            "livenessProbe": _probe(
+                "/livez", "metrics", periodSeconds=10, timeoutSeconds=LIVENESS_TIMEOUT_SECONDS
+            ),
+        }
     container = {
         "name": component.value,
         "image": cfg.spec.model.image,
         "imagePullPolicy": "IfNotPresent",
         **_container_command(cfg, component),
-        "ports": [
-            {"name": port_name, "containerPort": port},
-            {"name": "metrics", "containerPort": METRICS_PORT},
-        ],
+        "ports": ports,
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             *_storage_mounts(cfg, component),
         ],
-        "readinessProbe": _probe("/readyz", "metrics"),
-        "livenessProbe": _probe("/livez", "metrics", periodSeconds=10, timeoutSeconds=5),
+        **probes,
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "runAsNonRoot": True,

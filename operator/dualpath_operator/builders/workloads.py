@@ -97,15 +97,6 @@ def frontend_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, A
     name = child_name(cfg, "frontend")
     fe = cfg.spec.frontend
     template = control_pod_template(cfg, Component.FRONTEND, fe.port, "http")
-    # The frontend serves its own /health (readiness: the scheduler sees a prefill and a
-    # decode node) and /metrics on the HTTP port; it has no separate liveness endpoint.
-    container = template["spec"]["containers"][0]
-    container["ports"] = [{"name": "http", "containerPort": fe.port}]
-    container.pop("livenessProbe")
-    container["readinessProbe"] = {
-        "httpGet": {"path": "/health", "port": "http"},
-        "periodSeconds": 5,
-    }
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
