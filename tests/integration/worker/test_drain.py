@@ -117,6 +117,24 @@ async def test_a_draining_worker_finishes_in_flight_work_and_gets_nothing_new(tm
         assert hit >= 288
         recompute, _ = await _tokens(stub(d1).Generate(_generate(cfg, "ref", ctx, 0, 0, p1)))
 
+        async def route():
+            return await client.route(
+                prompt_tokens=len(ctx),
+                hit_tokens=hit,
+                hit_bytes=hit * model.kv_bytes_per_token,
+                context_bytes=len(ctx) * model.kv_bytes_per_token,
+                max_new_tokens=6,
+                queue_timeout_s=1.0,
+            )
+
+        # a request routed to p0 before its drain, whose Prefill call has not arrived yet
+        for _ in range(50):
+            routed_early = await route()
+            if routed_early.prefill_node == "p0":
+                break
+            await client.complete(routed_early.request_id)
+        assert routed_early.prefill_node == "p0"
+
         # turn 2 through p0 (path P: p0 reads the hit, relays it to d0, hands its KV to d0)
         clean_before = _drains("clean")
         served = {}
@@ -147,14 +165,7 @@ async def test_a_draining_worker_finishes_in_flight_work_and_gets_nothing_new(tm
             assert time.monotonic() - t_drain < 2, "the scheduler was not told of the drain"
             await asyncio.sleep(0.01)
         for i in range(20):
-            r = await client.route(
-                prompt_tokens=len(ctx),
-                hit_tokens=hit,
-                hit_bytes=hit * model.kv_bytes_per_token,
-                context_bytes=len(ctx) * model.kv_bytes_per_token,
-                max_new_tokens=6,
-                queue_timeout_s=1.0,
-            )
+            r = await route()
             assert (r.prefill_node, r.decode_node) == ("p1", "d1"), i
             await client.complete(r.request_id)
         assert not in_flight.done() and not any(t.done() for t in drains.values())
@@ -163,7 +174,13 @@ async def test_a_draining_worker_finishes_in_flight_work_and_gets_nothing_new(tm
         assert served["tokens"] == recompute
         assert served["head"].hit_tokens == hit
         assert served["head"].read_path == spb.READ_PATH_PREFILL
+        # p0 still waits for the request routed to it before the drain, past the settle time
+        await asyncio.sleep(1.5)
+        assert not drains["p0"].done()
+        await client.complete(routed_early.request_id)
+        t_completed = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*drains.values()), DRAIN_S)
+        assert stopped_at["p0"] >= t_completed
         # ... within the drain time: p0 once its part (read, relay, handoff) was done (the turn
         # above used its hit), d0 only after the turn's last token
         assert stopped_at["d0"] >= served["at"]

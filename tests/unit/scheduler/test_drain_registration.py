@@ -30,3 +30,13 @@ def test_a_draining_process_that_registers_again_stays_drained():
     assert st.drain("p0")
     st.register(NodeState("p0", "prefill", draining=True), "a:1")  # e.g. after a stream error
     assert _route(st) is None
+
+
+def test_a_drain_reports_the_requests_still_routed_to_the_node():
+    st = _state()
+    d = _route(st)
+    assert (st.routed_in_flight("p0"), st.routed_in_flight("d0")) == (1, 1)
+    st.drain("p0")
+    assert st.routed_in_flight("p0") == 1  # routed before the drain: the worker waits for it
+    st.complete(d.request_id)
+    assert st.routed_in_flight("p0") == st.routed_in_flight("d0") == 0

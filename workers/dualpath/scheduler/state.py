@@ -180,6 +180,14 @@ class SchedulerState:
         self.routed_total += 1
         return decision
 
+    def routed_in_flight(self, node_id: str) -> int:
+        """Requests routed to `node_id` (either side) and not completed yet."""
+        return sum(
+            1
+            for f in self.in_flight.values()
+            if node_id in (f.decision.prefill_node, f.decision.decode_node)
+        )
+
     def complete(self, request_id: str) -> InFlight | None:
         return self.in_flight.pop(request_id, None)
 

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 # After telling the scheduler it drains, a worker keeps serving at least this long even when
 # idle: a request the scheduler routed here just before the drain may still be on its way.
 DRAIN_SETTLE_S = 1.0
+# How often a draining worker asks the scheduler how many requests routed to it are still open.
+DRAIN_POLL_S = 0.2
 
 
 @dataclass
@@ -52,6 +54,10 @@ class NodeOptions:
     request_timeout_s: float | None = None  # one Prefill call, queueing for compute included
     drain_s: float | None = None  # drain bound on SIGTERM
     store_backend: str = "auto"
+
+
+def _given_or(given: float | None, spec_value: float) -> float:
+    return spec_value if given is None else given
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
@@ -125,11 +131,10 @@ class WorkerNode:
         self.role = opts.role
         self.node_id = opts.node_id
         w = cfg.spec.workers
-        pick = lambda given, spec: spec if given is None else given  # noqa: E731
-        self.kv_cache_tokens = int(pick(opts.kv_cache_tokens, w.kv_cache_tokens))
-        self.deadline_s = float(pick(opts.deadline_s, w.transfer_deadline_seconds))
-        self.request_timeout_s = float(pick(opts.request_timeout_s, w.request_timeout_seconds))
-        self.drain_s = float(pick(opts.drain_s, w.drain_seconds))
+        self.kv_cache_tokens = int(_given_or(opts.kv_cache_tokens, w.kv_cache_tokens))
+        self.deadline_s = float(_given_or(opts.deadline_s, w.transfer_deadline_seconds))
+        self.request_timeout_s = float(_given_or(opts.request_timeout_s, w.request_timeout_seconds))
+        self.drain_s = float(_given_or(opts.drain_s, w.drain_seconds))
         self.draining = False  # told the scheduler; still serving what is in flight
         self.stopping = False  # refusing new calls
         self.inflight = 0  # Prefill and Generate calls being served
@@ -317,39 +322,55 @@ class WorkerNode:
     # ---- stop -------------------------------------------------------------------------------
 
     async def drain_and_stop(self) -> None:
-        """Tell the scheduler this node drains (it routes nothing new here), let the calls in
-        flight finish (storage reads, D->P relays, prefill->decode handoffs, decoding) for at
-        most `spec.workers.drainSeconds`, then stop."""
+        """Tell the scheduler this node drains (it routes nothing new here), let the work in
+        flight finish for at most `spec.workers.drainSeconds`, then stop. In flight: this node's
+        Prefill and Generate calls (storage reads, D->P relays, prefill->decode handoffs,
+        decoding) and the requests the scheduler routed here before the drain and that are not
+        completed yet (their calls may still be on their way)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + self.drain_s
         self.draining = True  # every heartbeat from now on says so too
-        if self._agent is not None:
-            try:
-                await self._agent.drain()
-            except grpc.aio.AioRpcError as err:
-                log.warning("could not tell the scheduler we drain: %s", err.code().name)
+        routed = await self._drain_call()
         log.info(
-            "worker %s draining: %d calls in flight, up to %.0fs",
+            "worker %s draining: %d calls in flight, %d routed requests open, up to %.0fs",
             self.node_id,
             self.inflight,
+            routed,
             self.drain_s,
         )
         settle = min(deadline, loop.time() + DRAIN_SETTLE_S)
-        while loop.time() < deadline and (self.inflight or loop.time() < settle):
+        next_ask = loop.time() + DRAIN_POLL_S
+        while loop.time() < deadline and (self.inflight or routed or loop.time() < settle):
             await asyncio.sleep(0.02)
-        if self.inflight:
+            if routed and loop.time() >= next_ask:
+                routed = await self._drain_call()
+                next_ask = loop.time() + DRAIN_POLL_S
+        if self.inflight or routed:
             metrics.DRAINS.labels("timed_out").inc()
             log.warning(
-                "worker %s: drain time %.0fs over with %d calls in flight: stopping them",
+                "worker %s: drain time %.0fs over with %d calls in flight and %d routed "
+                "requests open: stopping them",
                 self.node_id,
                 self.drain_s,
                 self.inflight,
+                routed,
             )
         else:
             metrics.DRAINS.labels("clean").inc()
             log.info("worker %s drained in %.1fs", self.node_id, loop.time() - t0)
         await self.stop()
+
+    async def _drain_call(self) -> int:
+        """`Scheduler.Drain` (idempotent): the requests routed here and still open (0 when the
+        scheduler cannot say: then only this node's own calls are waited for)."""
+        if self._agent is None:
+            return 0
+        try:
+            return await self._agent.drain()
+        except grpc.aio.AioRpcError as err:
+            log.warning("could not tell the scheduler we drain: %s", err.code().name)
+            return 0
 
     async def stop(self) -> None:
         self.stopping = True
