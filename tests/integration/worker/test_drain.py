@@ -117,11 +117,9 @@ async def test_a_draining_worker_finishes_in_flight_work_and_gets_nothing_new(tm
         assert hit >= 288
         recompute, _ = await _tokens(stub(d1).Generate(_generate(cfg, "ref", ctx, 0, 0, p1)))
 
-        async def route():
+        async def route():  # (the hit does not matter for where it goes)
             return await client.route(
                 prompt_tokens=len(ctx),
-                hit_tokens=hit,
-                hit_bytes=hit * model.kv_bytes_per_token,
                 context_bytes=len(ctx) * model.kv_bytes_per_token,
                 max_new_tokens=6,
                 queue_timeout_s=1.0,
