@@ -110,6 +110,13 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "frontend.maxNewTokens must be at most frontend.maxContextTokens",
         ),
     ],
+    "spec.workers": [
+        (
+            "self.requestTimeoutSeconds >= self.transferDeadlineSeconds",
+            "workers.requestTimeoutSeconds must be >= workers.transferDeadlineSeconds "
+            "(a prefill call includes its KV transfers)",
+        ),
+    ],
 }
 
 

@@ -638,6 +638,32 @@ class FrontendSpec(_Model):
         return self
 
 
+class WorkersSpec(_Model):
+    """How every worker process (both pools) starts, bounds its waits and drains."""
+
+    startup_seconds: int = Field(default=600, ge=10, le=86_400)
+    """Seconds a worker may take to load its model; the pod's startupProbe allows this long."""
+    drain_seconds: int = Field(default=120, ge=0, le=3600)
+    """On SIGTERM, longest wait for in-flight reads, relays and handoffs; the pod's grace
+    period is this plus a 15 s stop margin."""
+    transfer_deadline_seconds: int = Field(default=60, ge=1, le=3600)
+    """Deadline of one KV transfer, one peer notification wait or one KV buffer wait."""
+    request_timeout_seconds: int = Field(default=600, ge=1, le=86_400)
+    """Deadline of one prefill call, queueing for compute included; at least
+    transferDeadlineSeconds."""
+    kv_cache_tokens: int = Field(default=65536, ge=16, le=1 << 26)
+    """Decode: tokens of the paged KV cache shared by the decode batch."""
+
+    @model_validator(mode="after")
+    def _request_covers_transfer(self) -> WorkersSpec:
+        if self.request_timeout_seconds < self.transfer_deadline_seconds:
+            raise ValueError(
+                "workers.requestTimeoutSeconds must be >= workers.transferDeadlineSeconds "
+                "(a prefill call includes its KV transfers)"
+            )
+        return self
+
+
 class ClusterSpec(_Model):
     """`spec` of a DualPathCluster."""
 
@@ -655,6 +681,8 @@ class ClusterSpec(_Model):
     """Request scheduler."""
     frontend: FrontendSpec = FrontendSpec()
     """OpenAI-compatible HTTP frontend."""
+    workers: WorkersSpec = WorkersSpec()
+    """Worker processes: model load budget, drain, deadlines, decode KV cache."""
 
     @model_validator(mode="after")
     def _decode_for_prefill(self) -> ClusterSpec:

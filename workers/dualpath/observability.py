@@ -1,12 +1,20 @@
-"""Metrics and health endpoints every process serves (`/metrics`, `/health`).
+"""Metrics and health endpoints every process serves.
 
 A tiny threaded HTTP server so processes without an HTTP framework (workers, scheduler,
-operator) expose the same two endpoints as the FastAPI frontend. It is owned by the caller:
+operator) expose the same endpoints as the FastAPI frontend. It is owned by the caller:
 `stop()` shuts it down.
+
+- `/metrics`: Prometheus text.
+- `/livez` (and `/healthz`): liveness, the `live` callable: is the process alive and not
+  wedged. A worker answers 503 while it loads its model (its pod's startupProbe gives that
+  `spec.workers.startupSeconds`), and 200 while it serves or drains, as long as its event loop
+  answers.
+- `/readyz` (and `/health`): readiness, the `health` callable: may it take requests now.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -16,16 +24,41 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 log = logging.getLogger(__name__)
 
+Check = Callable[[], tuple[bool, str]]
+
+
+def loop_answers(loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> bool:
+    """True if `loop` runs a callback within `timeout_s` (call from another thread)."""
+    answered = threading.Event()
+    try:
+        loop.call_soon_threadsafe(answered.set)
+    except RuntimeError:  # closed
+        return False
+    return answered.wait(timeout_s)
+
+
+def loop_liveness(loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> Check:
+    """A liveness check: the process's event loop answers within `timeout_s`."""
+
+    def live() -> tuple[bool, str]:
+        if loop_answers(loop, timeout_s):
+            return True, "alive"
+        return False, f"event loop did not answer within {timeout_s:.0f}s"
+
+    return live
+
 
 class ObservabilityServer:
     def __init__(
         self,
         port: int,
         host: str = "0.0.0.0",
-        health: Callable[[], tuple[bool, str]] | None = None,
+        health: Check | None = None,
         registry: CollectorRegistry = REGISTRY,
+        live: Check | None = None,
     ) -> None:
         health_fn = health or (lambda: (True, "ok"))
+        live_fn = live or (lambda: (True, "alive"))
         reg = registry
 
         class Handler(BaseHTTPRequestHandler):
@@ -33,8 +66,8 @@ class ObservabilityServer:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     body, ctype, code = generate_latest(reg), CONTENT_TYPE_LATEST, 200
-                elif path in ("/health", "/healthz", "/readyz"):
-                    ok, msg = health_fn()
+                elif path in ("/health", "/readyz", "/livez", "/healthz"):
+                    ok, msg = (live_fn if path in ("/livez", "/healthz") else health_fn)()
                     body, ctype, code = msg.encode(), "text/plain", 200 if ok else 503
                 else:
                     body, ctype, code = b"not found", "text/plain", 404
@@ -56,7 +89,7 @@ class ObservabilityServer:
 
     def start(self) -> ObservabilityServer:
         self._thread.start()
-        log.info("metrics and health on :%d (/metrics, /health)", self.port)
+        log.info("metrics and health on :%d (/metrics, /livez, /readyz)", self.port)
         return self
 
     def stop(self) -> None:

@@ -1,10 +1,24 @@
-"""Pod templates of every DualPath process: one `dualpath` image, one command per role."""
+"""Pod templates of every DualPath process: one `dualpath` image, one command per role.
+
+The command, arguments and process environment come from `dualpath.process.process_command`
+(the function `dualpath up` uses too); this module adds what a pod needs around them: the pod's
+placement (ConfigMap mount, Service names, fixed ports, the storage volume where a process uses
+storage), the downward-API and QoS environment, resources, probes and the grace period.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dualpath.config import ClusterConfig, PoolSpec, Role
+from dualpath.process import (
+    Component,
+    Placement,
+    process_command,
+    termination_grace_seconds,
+    uses_storage,
+)
 
 from .common import (
     CONFIG_FILE,
@@ -18,6 +32,9 @@ from .common import (
 from .qos import qos_env
 
 SHM_SIZE = "16Gi"
+PROBE_PERIOD_SECONDS = 5
+# /livez answers within 2 s (it checks the event loop); the probe waits a little longer.
+LIVENESS_TIMEOUT_SECONDS = 5
 
 
 def _downward_env() -> list[dict[str, Any]]:
@@ -31,12 +48,71 @@ def _config_volume(cfg: ClusterConfig) -> dict[str, Any]:
     return {"name": "config", "configMap": {"name": child_name(cfg, "config")}}
 
 
-def _probe(path: str, port: int | str) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": 5, "failureThreshold": 3}
+def _probe(path: str, port: int | str, **extra: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": PROBE_PERIOD_SECONDS,
+        "failureThreshold": 3,
+        **extra,
+    }
+
+
+def worker_probes(cfg: ClusterConfig) -> dict[str, dict[str, Any]]:
+    """Startup: the model may load for `spec.workers.startupSeconds`; liveness then checks the
+    process answers (also while draining); readiness is "model loaded, registered, not draining".
+    """
+    startup_checks = math.ceil(cfg.spec.workers.startup_seconds / PROBE_PERIOD_SECONDS)
+    return {
+        "startupProbe": _probe(
+            "/livez",
+            "metrics",
+            failureThreshold=startup_checks,
+            timeoutSeconds=LIVENESS_TIMEOUT_SECONDS,
+        ),
+        "livenessProbe": _probe(
+            "/livez", "metrics", periodSeconds=10, timeoutSeconds=LIVENESS_TIMEOUT_SECONDS
+        ),
+        "readinessProbe": _probe("/readyz", "metrics"),
+    }
 
 
 def scheduler_address(cfg: ClusterConfig) -> str:
     return f"{child_name(cfg, 'scheduler')}:{cfg.spec.scheduler.port}"
+
+
+def pod_placement(cfg: ClusterConfig, component: Component | str) -> Placement:
+    """Where a process runs in its pod: the ConfigMap's file, Service names, container ports,
+    and the storage volume mounted at `spec.storage.path` for the processes that use it."""
+    comp = Component(component)
+    ports = {
+        Component.SCHEDULER: cfg.spec.scheduler.port,
+        Component.FRONTEND: cfg.spec.frontend.port,
+    }
+    return Placement(
+        config_file=CONFIG_FILE,
+        scheduler=scheduler_address(cfg),
+        host="0.0.0.0",
+        port=ports.get(comp, WORKER_GRPC_PORT),
+        metrics_port=METRICS_PORT,
+        storage=cfg.spec.storage.path if uses_storage(comp) else None,
+        node_id="$(POD_NAME)" if comp.role else "",
+        advertise=f"$(POD_NAME).{child_name(cfg, comp.value)}" if comp.role else "",
+    )
+
+
+def _container_command(cfg: ClusterConfig, component: Component) -> dict[str, Any]:
+    cmd = process_command(cfg, component, pod_placement(cfg, component))
+    return {
+        "command": list(cmd.command),
+        "args": list(cmd.args),
+        "env": [*_downward_env(), *({"name": k, "value": v} for k, v in cmd.env.items())],
+    }
+
+
+def _storage_mounts(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    """The storage volume, mounted where the process's placement says (if it uses storage)."""
+    path = pod_placement(cfg, component).storage
+    return [{"name": "kv-store", "mountPath": path}] if path else []
 
 
 def _storage_volume(cfg: ClusterConfig) -> dict[str, Any]:
@@ -58,6 +134,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
     if net.rdma.count:
         limits[net.rdma.resource_name] = str(net.rdma.count)
         requests[net.rdma.resource_name] = str(net.rdma.count)
+    comp = Component(role.value)
     annotations = {CONFIG_HASH_KEY: cfg.config_hash}
     if net.multus_networks:
         annotations["k8s.v1.cni.cncf.io/networks"] = ",".join(net.multus_networks)
@@ -65,32 +142,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         "name": role.value,
         "image": pool.image or spec.model.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["dualpath"],
-        "args": [
-            "worker",
-            "--role",
-            role.value,
-            "-f",
-            CONFIG_FILE,
-            "--node-id",
-            "$(POD_NAME)",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(WORKER_GRPC_PORT),
-            "--advertise",
-            "$(POD_NAME)." + child_name(cfg, role.value),
-            "--scheduler",
-            scheduler_address(cfg),
-            "--metrics-port",
-            str(METRICS_PORT),
-        ],
-        "env": [
-            *_downward_env(),
-            {"name": "DUALPATH_COMPONENT", "value": role.value},
-            {"name": "DUALPATH_CONFIG_HASH", "value": cfg.config_hash},
-            *qos_env(net),
-        ],
+        **_container_command(cfg, comp),
         "ports": [
             {"name": "grpc", "containerPort": WORKER_GRPC_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
@@ -101,19 +153,20 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "kv-store", "mountPath": spec.storage.path},
+            *_storage_mounts(cfg, comp),
         ],
-        "readinessProbe": _probe("/health", "metrics"),
-        "livenessProbe": {**_probe("/health", "metrics"), "initialDelaySeconds": 30},
+        **worker_probes(cfg),
     }
+    container["env"] += qos_env(net)
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        # Drain: in-flight reads, relays and handoffs finish before the pod goes.
-        "terminationGracePeriodSeconds": 120,
+        # Drain: in-flight reads, relays and handoffs finish (spec.workers.drainSeconds), then
+        # the process stops its parts; the kubelet's SIGKILL comes only after both.
+        "terminationGracePeriodSeconds": termination_grace_seconds(cfg),
         "volumes": [
             _config_volume(cfg),
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
-            _storage_volume(cfg),
+            *([_storage_volume(cfg)] if _storage_mounts(cfg, comp) else []),
         ],
     }
     if pool.node_selector:
@@ -127,21 +180,41 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
 
 
 def control_pod_template(
-    cfg: ClusterConfig, component: str, args: list[str], port: int, port_name: str
+    cfg: ClusterConfig, component: Component, port: int, port_name: str
 ) -> dict[str, Any]:
-    container = {
-        "name": component,
-        "image": cfg.spec.model.image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["dualpath"],
-        "args": args,
-        "env": [*_downward_env(), {"name": "DUALPATH_COMPONENT", "value": component}],
-        "ports": [
+    """Scheduler and frontend: no GPUs; no storage volume (they never touch storage)."""
+    if component is Component.FRONTEND:
+        # /health (readiness: the scheduler sees a prefill and a decode node) and /metrics on
+        # its HTTP port; no liveness endpoint of its own
+        ports = [{"name": port_name, "containerPort": port}]
+        probes = {
+            "readinessProbe": {
+                "httpGet": {"path": "/health", "port": port_name},
+                "periodSeconds": 5,
+            }
+        }
+    else:
+        ports = [
             {"name": port_name, "containerPort": port},
             {"name": "metrics", "containerPort": METRICS_PORT},
+        ]
+        probes = {
+            "readinessProbe": _probe("/readyz", "metrics"),
+            "livenessProbe": _probe(
+                "/livez", "metrics", periodSeconds=10, timeoutSeconds=LIVENESS_TIMEOUT_SECONDS
+            ),
+        }
+    container = {
+        "name": component.value,
+        "image": cfg.spec.model.image,
+        "imagePullPolicy": "IfNotPresent",
+        **_container_command(cfg, component),
+        "ports": ports,
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            *_storage_mounts(cfg, component),
         ],
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
-        "readinessProbe": _probe("/health", "metrics"),
+        **probes,
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "runAsNonRoot": True,
@@ -150,8 +223,14 @@ def control_pod_template(
     }
     return {
         "metadata": {
-            "labels": labels(cfg, component),
+            "labels": labels(cfg, component.value),
             "annotations": {CONFIG_HASH_KEY: cfg.config_hash},
         },
-        "spec": {"containers": [container], "volumes": [_config_volume(cfg)]},
+        "spec": {
+            "containers": [container],
+            "volumes": [
+                _config_volume(cfg),
+                *([_storage_volume(cfg)] if _storage_mounts(cfg, component) else []),
+            ],
+        },
     }

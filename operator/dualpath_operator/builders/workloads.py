@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from dualpath.config import ClusterConfig, Role
+from dualpath.process import Component
 
 from .common import (
-    CONFIG_FILE,
     METRICS_PORT,
     WORKER_GRPC_PORT,
     child_name,
     metadata,
     selector_labels,
 )
-from .pods import control_pod_template, scheduler_address, worker_pod_template
+from .pods import control_pod_template, worker_pod_template
 
 
 def worker_service(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
@@ -66,15 +66,6 @@ def worker_pdb(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, 
 def scheduler_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, Any]]:
     name = child_name(cfg, "scheduler")
     port = cfg.spec.scheduler.port
-    args = [
-        "scheduler",
-        "-f",
-        CONFIG_FILE,
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(METRICS_PORT),
-    ]
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -84,7 +75,7 @@ def scheduler_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, 
             # One active scheduler: never two with diverging views.
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector_labels(cfg, "scheduler")},
-            "template": control_pod_template(cfg, "scheduler", args, port, "grpc"),
+            "template": control_pod_template(cfg, Component.SCHEDULER, port, "grpc"),
         },
     }
     service = {
@@ -105,25 +96,7 @@ def scheduler_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, 
 def frontend_objects(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, Any]]:
     name = child_name(cfg, "frontend")
     fe = cfg.spec.frontend
-    args = [
-        "frontend",
-        "-f",
-        CONFIG_FILE,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(fe.port),
-        "--scheduler",
-        scheduler_address(cfg),
-    ]
-    template = control_pod_template(cfg, "frontend", args, fe.port, "http")
-    # The frontend serves its own /health and /metrics on the HTTP port.
-    container = template["spec"]["containers"][0]
-    container["ports"] = [{"name": "http", "containerPort": fe.port}]
-    container["readinessProbe"] = {
-        "httpGet": {"path": "/health", "port": "http"},
-        "periodSeconds": 5,
-    }
+    template = control_pod_template(cfg, Component.FRONTEND, fe.port, "http")
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -18,7 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
     parser.add_argument("--run-dir", default="out/local", help="resolved config lives here")
     parser.add_argument("--policy", help="override spec.scheduler.policy")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds between TERM and KILL")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="seconds between TERM and KILL (default: as the pods, spec.workers.drainSeconds "
+        "plus a stop margin; an idle worker stops in about a second)",
+    )
+    parser.add_argument(
+        "--storage-dir",
+        default=None,
+        help="local directory backing the storage volume, given to the workers only "
+        "(default: spec.storage.path)",
+    )
     parser.add_argument("--fresh", action="store_true", help="empty the storage directory first")
 
 
@@ -29,7 +41,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.file) if args.file else config.local_default()
     if args.policy:
         cfg = with_overrides(cfg, **{"scheduler.policy": args.policy})
-    cluster = LocalCluster(cfg, args.run_dir, grace_s=args.grace, fresh_storage=args.fresh)
+    cluster = LocalCluster(
+        cfg,
+        args.run_dir,
+        grace_s=args.grace,
+        fresh_storage=args.fresh,
+        storage_dir=args.storage_dir,
+    )
     stop = cluster.supervisor.abort  # Ctrl-C during start aborts the start too
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -2,14 +2,23 @@
 
 `LocalCluster(cfg, run_dir)` writes the resolved config to `run_dir/cluster.yaml` (every child
 reads that same file), picks free ports, starts the processes in dependency order (each waits
-for its `/health`), and stops them all on exit. Each worker emulates its node's storage NIC
-(`spec.storage.snicGbps`, a token bucket in the store's read queue) and compute link
+for its readiness endpoint), and stops them all on exit. Each worker emulates its node's storage
+NIC (`spec.storage.snicGbps`, a token bucket in the store's read queue) and compute link
 (`spec.network.cnicGbps`).
+
+Every process runs what the operator deploys: `dualpath.process.process_command` builds its
+arguments and environment for both. Only the placement differs (docs/local.md): the config file
+is `run_dir/cluster.yaml` instead of the ConfigMap mount, the scheduler is 127.0.0.1 on a free
+port instead of its Service, every port is free instead of fixed, the storage volume is a local
+directory (given to the workers only, as only their pods mount it), node ids are `<role>-<i>`
+instead of the pod names; and locally the entry point is `python -m dualpath.cli` with
+`--log-level`, workers get OMP_NUM_THREADS=1.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +28,20 @@ import yaml
 
 from dualpath.config import ClusterConfig, from_resource
 from dualpath.local.supervisor import ProcSpec, Supervisor, free_port
+from dualpath.process import (
+    Component,
+    Placement,
+    ProcessCommand,
+    process_command,
+    termination_grace_seconds,
+    uses_storage,
+)
 
 log = logging.getLogger(__name__)
+
+LOCAL_HOST = "127.0.0.1"
+# Many processes share this machine's cores: one torch thread each.
+LOCAL_WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def with_overrides(cfg: ClusterConfig, **spec_paths: object) -> ClusterConfig:
@@ -40,101 +61,60 @@ class Endpoints:
     scheduler: str = ""
     scheduler_health: str = ""
     frontend: str = ""
-    workers: dict[str, str] = field(default_factory=dict)  # node id -> health URL
+    workers: dict[str, str] = field(default_factory=dict)  # node id -> readiness URL
 
 
-def _dualpath(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dualpath.cli", *args]
+def local_argv(cmd: ProcessCommand, log_level: str = "INFO") -> list[str]:
+    """The entry point as this interpreter's module, plus `--log-level` (one token: cli.py
+    picks the command by position)."""
+    return [sys.executable, "-m", "dualpath.cli", f"--log-level={log_level}", *cmd.args]
+
+
+def local_placement(
+    cfg_path: Path, component: Component, scheduler: str, storage: Path, index: int = 0
+) -> Placement:
+    """A process's placement on this machine: loopback, free ports, the local storage dir for
+    the processes that use storage."""
+    worker = component.role is not None
+    return Placement(
+        config_file=str(cfg_path),
+        scheduler=scheduler,
+        host=LOCAL_HOST,
+        port=int(scheduler.rsplit(":", 1)[1]) if component is Component.SCHEDULER else free_port(),
+        metrics_port=0 if component is Component.FRONTEND else free_port(),
+        storage=str(storage) if uses_storage(component) else None,
+        node_id=f"{component.value}-{index}" if worker else "",
+        advertise=LOCAL_HOST if worker else "",
+    )
 
 
 def process_specs(
     cfg_path: Path, cfg: ClusterConfig, storage: Path, log_level: str = "INFO"
 ) -> tuple[list[ProcSpec], Endpoints]:
     ep = Endpoints()
-    sched_port, sched_metrics = free_port(), free_port()
-    ep.scheduler = f"127.0.0.1:{sched_port}"
-    ep.scheduler_health = f"http://127.0.0.1:{sched_metrics}/health"
-    common = [f"--log-level={log_level}"]  # one token: cli.py picks the command by position
-    specs = [
-        ProcSpec(
-            "scheduler",
-            _dualpath(
-                *common,
-                "scheduler",
-                "-f",
-                str(cfg_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(sched_port),
-                "--metrics-port",
-                str(sched_metrics),
-            ),
-            health_url=ep.scheduler_health,
-            ready_timeout_s=60,
-        )
-    ]
-    for role, pool in (("prefill", cfg.spec.prefill), ("decode", cfg.spec.decode)):
-        for i in range(pool.replicas):
-            name = f"{role}-{i}"
-            port, metrics = free_port(), free_port()
-            argv = _dualpath(
-                *common,
-                "worker",
-                "--role",
-                role,
-                "--index",
-                str(i),
-                "-f",
-                str(cfg_path),
-                "--node-id",
-                name,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--metrics-port",
-                str(metrics),
-                "--scheduler",
-                ep.scheduler,
-                "--storage",
-                str(storage),
+    ep.scheduler = f"{LOCAL_HOST}:{free_port()}"
+
+    def spec(component: Component, index: int = 0, **kw: object) -> tuple[ProcSpec, Placement]:
+        at = local_placement(cfg_path, component, ep.scheduler, storage, index)
+        cmd = process_command(cfg, component, at)
+        name = at.node_id or component.value
+        extra = LOCAL_WORKER_ENV if component.role else {}
+        return ProcSpec(name, local_argv(cmd, log_level), env={**cmd.env, **extra}, **kw), at
+
+    sched, at = spec(Component.SCHEDULER, ready_timeout_s=60)
+    ep.scheduler_health = sched.health_url = f"http://{LOCAL_HOST}:{at.metrics_port}/readyz"
+    specs = [sched]
+    for component in (Component.PREFILL, Component.DECODE):
+        for i in range(cfg.spec.pool(component.role).replicas):
+            worker, at = spec(component, i, ready_timeout_s=180, stop_wave=1)
+            worker.health_url = ep.workers[at.node_id] = (
+                f"http://{LOCAL_HOST}:{at.metrics_port}/readyz"
             )
-            ep.workers[name] = f"http://127.0.0.1:{metrics}/health"
-            specs.append(
-                ProcSpec(
-                    name,
-                    argv,
-                    health_url=ep.workers[name],
-                    ready_timeout_s=180,
-                    env={"OMP_NUM_THREADS": "1"},
-                    stop_wave=1,
-                )
-            )
-    fe_port = free_port()
-    ep.frontend = f"http://127.0.0.1:{fe_port}"
-    specs.append(
-        ProcSpec(
-            "frontend",
-            _dualpath(
-                *common,
-                "frontend",
-                "-f",
-                str(cfg_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(fe_port),
-                "--scheduler",
-                ep.scheduler,
-                "--storage",
-                str(storage),
-            ),
-            health_url=f"{ep.frontend}/health",
-            ready_timeout_s=120,
-            stop_wave=2,
-        )
-    )
+            specs.append(worker)
+    frontend, at = spec(Component.FRONTEND, ready_timeout_s=120, stop_wave=2)
+    ep.frontend = f"http://{LOCAL_HOST}:{at.port}"
+    frontend.health_url = f"{ep.frontend}/health"
+    specs.append(frontend)
     return specs, ep
 
 
@@ -146,26 +126,33 @@ class LocalCluster:
         cfg: ClusterConfig,
         run_dir: str | Path,
         sink: IO[str] | None = None,
-        grace_s: float = 5.0,
+        grace_s: float | None = None,
         log_level: str = "INFO",
         fresh_storage: bool = False,
+        storage_dir: str | Path | None = None,
     ) -> None:
+        """`grace_s`: SIGTERM to SIGKILL (default: the pods' grace, spec.workers.drainSeconds
+        plus the stop margin). `storage_dir`: the local directory that backs the storage volume,
+        given to the processes that mount it (the workers). By default it is spec.storage.path
+        (resolved, and written so into cluster.yaml); a directory apart from spec.storage.path
+        runs the deployed topology exactly: no other process can reach the store."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        storage = Path(cfg.spec.storage.path)
+        storage = Path(cfg.spec.storage.path if storage_dir is None else storage_dir)
         if not storage.is_absolute():
             storage = (Path.cwd() / storage).resolve()
         if fresh_storage and storage.exists():
-            import shutil
-
             shutil.rmtree(storage)
         storage.mkdir(parents=True, exist_ok=True)
-        self.cfg = with_overrides(cfg, **{"storage.path": str(storage)})
+        if storage_dir is None:
+            cfg = with_overrides(cfg, **{"storage.path": str(storage)})
+        self.cfg = cfg
         self.storage = storage
         self.cfg_path = self.run_dir / "cluster.yaml"
         self.cfg_path.write_text(yaml.safe_dump(self.cfg.to_resource(), sort_keys=False))
         self.specs, self.endpoints = process_specs(self.cfg_path, self.cfg, storage, log_level)
-        self.supervisor = Supervisor(grace_s=grace_s, sink=sink)
+        grace = termination_grace_seconds(self.cfg) if grace_s is None else grace_s
+        self.supervisor = Supervisor(grace_s=grace, sink=sink)
 
     def start(self) -> LocalCluster:
         log.info(

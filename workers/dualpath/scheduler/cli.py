@@ -8,7 +8,7 @@ import logging
 import signal
 
 from dualpath import config
-from dualpath.observability import ObservabilityServer
+from dualpath.observability import ObservabilityServer, loop_liveness
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = config.load(args.file) if args.file else config.local_default()
     port = args.port if args.port is not None else cfg.spec.scheduler.port
     server = build(cfg, args.policy, args.host, port)
-    obs = ObservabilityServer(args.metrics_port).start()
+    obs = ObservabilityServer(
+        args.metrics_port, live=loop_liveness(asyncio.get_running_loop())
+    ).start()
     await server.start()
     print(f"READY scheduler grpc={server.port} metrics={obs.port}", flush=True)
     stop = asyncio.Event()

@@ -170,8 +170,13 @@ class NodeAgent:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
-    async def drain(self) -> None:
-        await self.stub.Drain(pb.DrainRequest(node_id=self.reg.node_id), timeout=self.rpc_timeout_s)
+    async def drain(self) -> int:
+        """Tell the scheduler this node drains (idempotent); returns the requests routed to it
+        and not completed yet."""
+        resp = await self.stub.Drain(
+            pb.DrainRequest(node_id=self.reg.node_id), timeout=self.rpc_timeout_s
+        )
+        return resp.routed_in_flight
 
     async def stop(self) -> None:
         self._stopping.set()

@@ -158,7 +158,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Drain(self, request, context):  # noqa: N802
         known = self.state.drain(request.node_id)
-        return pb.DrainResponse(known=known)
+        return pb.DrainResponse(
+            known=known, routed_in_flight=self.state.routed_in_flight(request.node_id)
+        )
 
     async def ClusterView(self, request, context):  # noqa: N802
         now = self.state.clock()

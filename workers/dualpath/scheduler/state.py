@@ -65,7 +65,8 @@ class SchedulerState:
         self.view = ClusterView([], [], thresholds, cnic_bytes_per_s)
         self.in_flight: dict[str, InFlight] = {}
         self.routed_total = 0
-        self.drained: set[str] = set()  # drained through the API: sticky over heartbeats
+        # drained through the API: sticky over heartbeats, cleared by a fresh registration
+        self.drained: set[str] = set()
         self.refused_unpaired_total = 0
         self._ids = itertools.count(1)
         self._hash_seq = itertools.count()
@@ -77,7 +78,10 @@ class SchedulerState:
         self, state: NodeState, address: str, transfer_address: str = "", config_hash: str = ""
     ) -> None:
         known = state.node_id in self.nodes
-        state.draining = state.draining or state.node_id in self.drained
+        # A registration says what the node is now: a draining process says so itself, and a
+        # new process under a drained id (a StatefulSet pod replaced after its drain) serves.
+        if not state.draining:
+            self.drained.discard(state.node_id)
         if config_hash:
             state.config_hash = config_hash
         seq = self.view.config_hash_seq
@@ -175,6 +179,14 @@ class SchedulerState:
         self.in_flight[request.request_id] = InFlight(request, decision, self.clock())
         self.routed_total += 1
         return decision
+
+    def routed_in_flight(self, node_id: str) -> int:
+        """Requests routed to `node_id` (either side) and not completed yet."""
+        return sum(
+            1
+            for f in self.in_flight.values()
+            if node_id in (f.decision.prefill_node, f.decision.decode_node)
+        )
 
     def complete(self, request_id: str) -> InFlight | None:
         return self.in_flight.pop(request_id, None)

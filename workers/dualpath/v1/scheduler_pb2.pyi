@@ -146,10 +146,12 @@ class DrainRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "routed_in_flight")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    routed_in_flight: int
+    def __init__(self, known: _Optional[bool] = ..., routed_in_flight: _Optional[int] = ...) -> None: ...
 
 class ClusterViewRequest(_message.Message):
     __slots__ = ()

@@ -29,22 +29,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
     parser.add_argument("--scheduler", default="", help="scheduler host:port (empty: none)")
     parser.add_argument("--storage", default=None, help="KV directory (default: spec.storage.path)")
+    # The worker's knobs live in spec.workers (so a deployed cluster sets them); these flags
+    # override the config for local experiments and tests.
     parser.add_argument(
         "--kv-cache-tokens",
         type=int,
-        default=65536,
-        help="decode: tokens of the paged KV cache shared by the decode batch",
+        default=None,
+        help="override spec.workers.kvCacheTokens (decode: tokens of the paged KV cache)",
     )
     parser.add_argument(
-        "--deadline", type=float, default=60.0, help="one KV transfer or wait for one, s"
+        "--deadline",
+        type=float,
+        default=None,
+        help="override spec.workers.transferDeadlineSeconds (one KV transfer or wait, s)",
     )
     parser.add_argument(
         "--request-timeout",
         type=float,
-        default=600.0,
-        help="one prefill call including its queueing for compute, s",
+        default=None,
+        help="override spec.workers.requestTimeoutSeconds (one prefill call, s)",
     )
-    parser.add_argument("--grace", type=float, default=10.0, help="drain time on SIGTERM, s")
+    parser.add_argument(
+        "--drain-seconds",
+        "--grace",
+        dest="drain_seconds",
+        type=float,
+        default=None,
+        help="override spec.workers.drainSeconds (drain time on SIGTERM, s)",
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -66,13 +78,13 @@ async def serve(args: argparse.Namespace) -> None:
         kv_cache_tokens=args.kv_cache_tokens,
         deadline_s=args.deadline,
         request_timeout_s=args.request_timeout,
-        grace_s=args.grace,
+        drain_s=args.drain_seconds,
         advertise=args.advertise,
         advertise_host=os.environ.get("POD_IP")
         or (args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()),
     )
     node = WorkerNode(cfg, opts)
-    obs = ObservabilityServer(args.metrics_port, health=node.health).start()
+    obs = ObservabilityServer(args.metrics_port, health=node.health, live=node.live).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,7 +96,6 @@ async def serve(args: argparse.Namespace) -> None:
             flush=True,
         )
         await stop.wait()
-        log.info("stopping worker %s: draining", node_id)
         await node.drain_and_stop()
     finally:
         obs.stop()

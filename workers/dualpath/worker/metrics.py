@@ -38,3 +38,9 @@ LOAD = Gauge(
     "the load a worker reports to the scheduler, by field",
     ["field"],
 )
+DRAINS = Counter(
+    "dualpath_worker_drains_total",
+    "drains on SIGTERM, by outcome (clean: nothing left in flight; timed_out: calls cut off "
+    "at spec.workers.drainSeconds)",
+    ["outcome"],
+)

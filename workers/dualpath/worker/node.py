@@ -4,7 +4,12 @@
 thread), the KV store and its read queue (the node's storage NIC, optionally capped at
 `storage.snicGbps`), the NIXL transfer engine with its registered KV buffer (and the
 emulated compute link, `network.cnicGbps`), the scheduler registration with heartbeats, the
-gRPC server (Worker service + standard health) and the /metrics, /health endpoint.
+gRPC server (Worker service + standard health) and the /metrics, /livez, /readyz endpoints.
+
+Its timeouts, KV cache size and drain time come from `spec.workers` (NodeOptions may override
+them for tests and local experiments). On drain it tells the scheduler first, then lets every
+call in flight finish (storage reads, D->P relays, prefill->decode handoffs, decoding) within
+`spec.workers.drainSeconds`, then stops.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ from dualpath.worker import metrics
 
 log = logging.getLogger(__name__)
 
+# After telling the scheduler it drains, a worker keeps serving at least this long even when
+# idle: a request the scheduler routed here just before the drain may still be on its way.
+DRAIN_SETTLE_S = 1.0
+# How often a draining worker asks the scheduler how many requests routed to it are still open.
+DRAIN_POLL_S = 0.2
+
 
 @dataclass
 class NodeOptions:
@@ -36,11 +47,17 @@ class NodeOptions:
     advertise_host: str = ""  # with the bound port when `advertise` is empty (default host)
     scheduler: str = ""  # empty: run without a scheduler (tests)
     storage: str = ""
-    kv_cache_tokens: int = 65536  # decode: the paged KV cache of the decode batch
-    deadline_s: float = 60.0  # one transfer, one notification wait, one buffer wait
-    request_timeout_s: float = 600.0  # one Prefill call, queueing for compute included
-    grace_s: float = 10.0
+    # None: from spec.workers (kvCacheTokens, transferDeadlineSeconds, requestTimeoutSeconds,
+    # drainSeconds); a value overrides the config for tests and local experiments
+    kv_cache_tokens: int | None = None  # decode: the paged KV cache of the decode batch
+    deadline_s: float | None = None  # one transfer, one notification wait, one buffer wait
+    request_timeout_s: float | None = None  # one Prefill call, queueing for compute included
+    drain_s: float | None = None  # drain bound on SIGTERM
     store_backend: str = "auto"
+
+
+def _given_or(given: float | None, spec_value: float) -> float:
+    return spec_value if given is None else given
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
@@ -67,6 +84,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a decode node"
             )
+        if n.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
+        n.inflight += 1  # a drain waits for it: its reads, relays and handoff to decode
         try:
             with n.transfer.active():
                 await n.prefill.serve(request, context)
@@ -77,6 +97,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         except Exception as err:
             log.exception("prefill %s failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
+        finally:
+            n.inflight -= 1
 
     async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
@@ -84,8 +106,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a prefill node"
             )
-        if n.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is draining")
+        # a draining node still serves what the scheduler routed before it learned of the drain
+        if n.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
         n.inflight += 1
         try:
             async for chunk in n.decode.generate(request):
@@ -107,11 +130,16 @@ class WorkerNode:
         self.opts = opts
         self.role = opts.role
         self.node_id = opts.node_id
-        self.deadline_s = opts.deadline_s
-        self.request_timeout_s = opts.request_timeout_s
-        self.draining = False
-        self.inflight = 0
-        self.ready = False
+        w = cfg.spec.workers
+        self.kv_cache_tokens = int(_given_or(opts.kv_cache_tokens, w.kv_cache_tokens))
+        self.deadline_s = float(_given_or(opts.deadline_s, w.transfer_deadline_seconds))
+        self.request_timeout_s = float(_given_or(opts.request_timeout_s, w.request_timeout_seconds))
+        self.drain_s = float(_given_or(opts.drain_s, w.drain_seconds))
+        self.draining = False  # told the scheduler; still serving what is in flight
+        self.stopping = False  # refusing new calls
+        self.inflight = 0  # Prefill and Generate calls being served
+        self.started = False  # model loaded, gRPC server up
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.prefill = None
         self.decode = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -134,11 +162,10 @@ class WorkerNode:
         spec = self.cfg.spec
         pool = spec.pool(self.role)
         self.checks = run_checks(spec, self.role)
-        loop = asyncio.get_running_loop()
-        # the model loads on a thread so the loop stays responsive (health answers 503 meanwhile)
-        cache_tokens = (
-            self.opts.kv_cache_tokens if self.role is Role.DECODE else spec.model.block_tokens
-        )
+        loop = self._loop = asyncio.get_running_loop()
+        # the model loads on a thread so the loop stays responsive (/livez and /readyz answer
+        # 503 "starting" meanwhile; the pod's startupProbe allows spec.workers.startupSeconds)
+        cache_tokens = self.kv_cache_tokens if self.role is Role.DECODE else spec.model.block_tokens
         self.engine = await loop.run_in_executor(
             None, lambda: Engine(spec.model, kv_capacity_tokens=cache_tokens)
         )
@@ -174,7 +201,7 @@ class WorkerNode:
         await self._health.set("dualpath.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         if self.opts.scheduler:
             await self._register()
-        self.ready = True
+        self.started = True
         log.info(
             "%s worker %s serving on %s (SNIC %s Gbps, KV buffer %d MiB, storage %s)",
             self.role.value,
@@ -249,11 +276,25 @@ class WorkerNode:
         metrics.LOAD.labels("buffer_free_bytes").set(load.buffer_free_bytes)
         return load
 
+    def live(self) -> tuple[bool, str]:
+        """Liveness (/livez): started, and the event loop answers; alive while draining."""
+        from dualpath.observability import loop_answers
+
+        if not self.started or self._loop is None:
+            return False, "stopped" if self.stopping else "starting: loading the model"
+        if not loop_answers(self._loop, 2.0):
+            return False, "event loop did not answer within 2s"
+        return True, f"{self.role.value} {self.node_id} alive"
+
     def health(self) -> tuple[bool, str]:
-        if not self.ready:
+        """Readiness (/readyz, /health): model loaded, registered with the scheduler, not
+        draining."""
+        if not self.started:
             return False, "starting"
         if self.draining:
             return False, "draining"
+        if self._agent is not None and not self._agent.registrations:
+            return False, "not registered with the scheduler yet"
         return True, f"{self.role.value} {self.node_id} ok"
 
     # ---- helpers for the roles -------------------------------------------------------------
@@ -281,24 +322,59 @@ class WorkerNode:
     # ---- stop -------------------------------------------------------------------------------
 
     async def drain_and_stop(self) -> None:
-        """Stop taking requests, let in-flight ones finish (up to the grace), then stop."""
-        self.draining = True
-        if self._agent is not None:
-            try:
-                await self._agent.drain()
-            except grpc.aio.AioRpcError as err:
-                log.warning("could not tell the scheduler we drain: %s", err.code().name)
+        """Tell the scheduler this node drains (it routes nothing new here), let the work in
+        flight finish for at most `spec.workers.drainSeconds`, then stop. In flight: this node's
+        Prefill and Generate calls (storage reads, D->P relays, prefill->decode handoffs,
+        decoding) and the requests the scheduler routed here before the drain and that are not
+        completed yet (their calls may still be on their way)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.opts.grace_s
-        busy = lambda: self.inflight or (self.prefill and self.prefill.load.requests_running)  # noqa: E731
-        while busy() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if busy():
-            log.warning("stopping with requests in flight after %.1fs grace", self.opts.grace_s)
+        t0 = loop.time()
+        deadline = t0 + self.drain_s
+        self.draining = True  # every heartbeat from now on says so too
+        routed = await self._drain_call()
+        log.info(
+            "worker %s draining: %d calls in flight, %d routed requests open, up to %.0fs",
+            self.node_id,
+            self.inflight,
+            routed,
+            self.drain_s,
+        )
+        settle = min(deadline, loop.time() + DRAIN_SETTLE_S)
+        next_ask = loop.time() + DRAIN_POLL_S
+        while loop.time() < deadline and (self.inflight or routed or loop.time() < settle):
+            await asyncio.sleep(0.02)
+            if routed and loop.time() >= next_ask:
+                routed = await self._drain_call()
+                next_ask = loop.time() + DRAIN_POLL_S
+        if self.inflight or routed:
+            metrics.DRAINS.labels("timed_out").inc()
+            log.warning(
+                "worker %s: drain time %.0fs over with %d calls in flight and %d routed "
+                "requests open: stopping them",
+                self.node_id,
+                self.drain_s,
+                self.inflight,
+                routed,
+            )
+        else:
+            metrics.DRAINS.labels("clean").inc()
+            log.info("worker %s drained in %.1fs", self.node_id, loop.time() - t0)
         await self.stop()
 
+    async def _drain_call(self) -> int:
+        """`Scheduler.Drain` (idempotent): the requests routed here and still open (0 when the
+        scheduler cannot say: then only this node's own calls are waited for)."""
+        if self._agent is None:
+            return 0
+        try:
+            return await self._agent.drain()
+        except grpc.aio.AioRpcError as err:
+            log.warning("could not tell the scheduler we drain: %s", err.code().name)
+            return 0
+
     async def stop(self) -> None:
-        self.ready = False
+        self.stopping = True
+        self.started = False
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._agent is not None:

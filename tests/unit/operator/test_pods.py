@@ -1,0 +1,164 @@
+"""What each pod runs: the process arguments `dualpath up` runs (one source), the storage
+volume where a process uses storage and nowhere else, probes and grace from `spec.workers`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from dualpath import config
+from dualpath.cli import build_parser
+from dualpath.local.cluster import LOCAL_WORKER_ENV, LocalCluster
+from dualpath.process import STORAGE_USERS, Component, termination_grace_seconds, uses_storage
+from dualpath_operator.builders import render
+from dualpath_operator.builders.common import CONFIG_FILE, METRICS_PORT, WORKER_GRPC_PORT
+from dualpath_operator.builders.pods import PROBE_PERIOD_SECONDS, scheduler_address
+from dualpath_operator.builders.qos import qos_env
+
+ROOT = Path(__file__).resolve().parents[3]
+OWNER = {"name": "agents", "uid": "0c8f-uid"}
+
+
+@pytest.fixture
+def example() -> config.ClusterConfig:
+    return config.load(ROOT / "examples" / "dualpathcluster.yaml")
+
+
+def _parse(args: list[str]) -> argparse.Namespace:
+    return build_parser(args).parse_args(args)
+
+
+def _component(ns: argparse.Namespace) -> Component:
+    return Component(ns.role if ns.command == "worker" else ns.command)
+
+
+def pods(cfg: config.ClusterConfig) -> dict[Component, dict]:
+    """Each component's pod template, keyed by what its container's args say it runs."""
+    out = {}
+    for obj in render(cfg, OWNER):
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            tpl = obj["spec"]["template"]
+            (container,) = tpl["spec"]["containers"]
+            out[_component(_parse(container["args"]))] = tpl
+    assert set(out) == set(Component)
+    return out
+
+
+def test_every_process_that_uses_storage_mounts_it_and_no_other_gets_it(example):
+    """Which processes use storage is read from the code (the process-arguments function and
+    the CLI parse of each pod's args), not from a list written here."""
+    storage_path = example.spec.storage.path
+    users = set()
+    for comp, tpl in pods(example).items():
+        (c,) = tpl["spec"]["containers"]
+        ns = _parse(c["args"])
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in tpl["spec"]["volumes"]}
+        if getattr(ns, "storage", None):
+            users.add(comp)
+            assert ns.storage == storage_path  # the worker opens the store where it is mounted
+            assert mounts[storage_path] == "kv-store"
+            assert volumes["kv-store"]["persistentVolumeClaim"]["claimName"] == "kvcache-3fs"
+        else:
+            # served without storage: no storage path in the argv, no volume in the pod
+            assert not any(storage_path in a for a in c["args"]), c["args"]
+            assert "kv-store" not in volumes and storage_path not in mounts
+    assert users == set(STORAGE_USERS) == {c for c in Component if uses_storage(c)}
+    assert Component.FRONTEND not in users and Component.SCHEDULER not in users
+
+
+def test_only_the_storage_users_can_be_pointed_at_storage():
+    """No process outside STORAGE_USERS accepts a storage path (the frontend takes its hits
+    from the scheduler's block index, issue 15 item 1)."""
+    for comp in Component:
+        args = ["worker", "--role", comp.value] if comp.role else [comp.value]
+        accepts = "storage" in vars(_parse(args))
+        assert accepts == uses_storage(comp), comp
+
+
+def test_probes_and_grace_period_come_from_spec_workers(example, tmp_path):
+    spec = example.to_resource()["spec"]
+    spec["workers"] = {"startupSeconds": 900, "drainSeconds": 300}
+    cfg = config.ClusterConfig(name="agents", spec=config.parse_spec(spec))
+    for comp, tpl in pods(cfg).items():
+        (c,) = tpl["spec"]["containers"]
+        if comp.role is None:
+            assert "startupProbe" not in c
+            continue
+        startup, live, ready = c["startupProbe"], c["livenessProbe"], c["readinessProbe"]
+        # a model may load for startupSeconds before liveness can kill the pod
+        assert startup["httpGet"]["path"] == live["httpGet"]["path"] == "/livez"
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+        assert startup["periodSeconds"] == PROBE_PERIOD_SECONDS
+        assert "initialDelaySeconds" not in live  # startupProbe gates it
+        assert ready["httpGet"]["path"] == "/readyz"
+        # the kubelet's SIGKILL comes after the worker's whole drain plus its stop
+        assert tpl["spec"]["terminationGracePeriodSeconds"] == termination_grace_seconds(cfg)
+        assert termination_grace_seconds(cfg) > 300
+        # ... and the drain time reaches the process through the config, not a flag
+        ns = _parse(c["args"])
+        assert ns.drain_seconds is None and ns.deadline is None and ns.kv_cache_tokens is None
+    cm = next(
+        o for o in render(cfg, OWNER) if o["kind"] == "ConfigMap" and "cluster.yaml" in o["data"]
+    )
+    rendered = config.from_resource(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    assert rendered.spec.workers.drain_seconds == 300
+    assert rendered.spec.workers.startup_seconds == 900
+
+
+def _strip_local(argv: list[str]) -> tuple[list[str], str]:
+    """`python -m dualpath.cli --log-level=X <args>` -> (args, X)."""
+    assert argv[:3] == [sys.executable, "-m", "dualpath.cli"], argv
+    assert argv[3].startswith("--log-level=")
+    return argv[4:], argv[3].split("=", 1)[1]
+
+
+def test_pods_run_what_dualpath_up_runs_modulo_the_placement(example, tmp_path):
+    """Each local process's arguments, with the documented local -> pod mapping applied (config
+    file, bind host, ports, scheduler address, node id, advertised host, storage directory),
+    parse to exactly what the rendered container's arguments parse to; the process environment
+    is the same too."""
+    cluster = LocalCluster(example, tmp_path / "run", storage_dir=tmp_path / "kv", grace_s=1)
+    rendered = pods(example)
+    pod_port = {
+        Component.SCHEDULER: example.spec.scheduler.port,
+        Component.FRONTEND: example.spec.frontend.port,
+        Component.PREFILL: WORKER_GRPC_PORT,
+        Component.DECODE: WORKER_GRPC_PORT,
+    }
+    qos = {e["name"] for e in qos_env(example.spec.network)}
+    seen = set()
+    for spec in cluster.specs:
+        args, level = _strip_local(spec.argv)
+        local = vars(_parse(args))
+        comp = _component(argparse.Namespace(**local))
+        seen.add(comp)
+        (c,) = rendered[comp]["spec"]["containers"]
+        assert c["command"] == ["dualpath"]
+        pod = vars(_parse(c["args"]))
+        # the local forms, then the mapping to the pod's
+        want = {"file": (str(cluster.cfg_path), CONFIG_FILE), "host": ("127.0.0.1", "0.0.0.0")}
+        want["log_level"] = (level, "INFO")
+        if comp is not Component.SCHEDULER:
+            want["scheduler"] = (cluster.endpoints.scheduler, scheduler_address(example))
+        if comp is not Component.FRONTEND:
+            want["metrics_port"] = (local["metrics_port"], METRICS_PORT)
+        if comp.role:
+            want["node_id"] = (spec.name, "$(POD_NAME)")
+            want["advertise"] = ("127.0.0.1", f"$(POD_NAME).agents-{comp.value}")
+            want["storage"] = (str(tmp_path / "kv"), example.spec.storage.path)
+        want["port"] = (local["port"], pod_port[comp])
+        for key, (local_value, pod_value) in want.items():
+            assert local[key] == local_value, (comp, key)
+            local[key] = pod_value
+        assert local["port"] > 0 and (comp is Component.FRONTEND or local["metrics_port"] > 0)
+        assert local == pod, comp
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e and e["name"] not in qos}
+        local_env = {k: v for k, v in spec.env.items() if k not in LOCAL_WORKER_ENV}
+        assert local_env == env, comp
+    assert seen == set(Component)
+    # the pods' storage path stays the config's; only the workers were given the local dir
+    assert cluster.cfg.spec.storage.path == example.spec.storage.path
