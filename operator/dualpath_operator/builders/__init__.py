@@ -12,6 +12,7 @@ import yaml
 from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
 
 from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
+from .netpol import network_policies
 from .qos import opensm_qos_policy, qos_config_map, qos_env
 from .workloads import (
     frontend_objects,
@@ -50,6 +51,7 @@ def pool(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
 def render(cfg: ClusterConfig, owner: dict | None = None) -> list[dict[str, Any]]:
     """Every child of one DualPathCluster, in apply order."""
     out: list[dict[str, Any]] = [config_map(cfg, owner), qos_config_map(cfg, owner)]
+    out += network_policies(cfg, owner)  # before the pods: none runs unprotected
     out += scheduler_objects(cfg, owner)
     for role in (Role.PREFILL, Role.DECODE):
         out += [

@@ -61,6 +61,7 @@ def test_first_pass_creates_children_and_reports_progressing():
         "ConfigMap",
         "Deployment",
         "DualPathPool",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "Service",
         "StatefulSet",
