@@ -66,7 +66,7 @@ class KubeApi:
         out = self._res(api_version, kind).get(
             namespace=namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
         )
-        return [item.to_dict() for item in out.items]
+        return out.to_dict().get("items") or []
 
     def delete(self, api_version, kind, namespace, name, uid) -> None:
         self._res(api_version, kind).delete(

@@ -168,7 +168,8 @@ def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResul
         for role, target in moves.items():
             old = plan.roles[role].cluster
             new = target["replicas"]
-            msg = f"spec.{role}.replicas {old} -> {new}: DualPathPool {child_name(cfg, role)} was scaled"
+            pool_name = child_name(cfg, role)
+            msg = f"spec.{role}.replicas {old} -> {new}: DualPathPool {pool_name} was scaled"
             metrics.SCALES.labels("pool").inc()
             log.info("%s", msg)
             _emit(api, body, "Normal", "Scaled", msg, log)
@@ -196,12 +197,18 @@ def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResul
             applied.append(_key(obj))
         except Exception as err:
             failure = describe(err, _key(obj))
-            metrics.API_ERRORS.labels(failure.reason, str(failure.retryable).lower()).inc()
-            if failure.retryable:
+            if failure.retryable:  # counted by the Reconciler with the other retried errors
                 raise ChildApiError(failure) from err
+            metrics.API_ERRORS.labels(failure.reason, "false").inc()
             log.warning("apply refused: %s", failure.message)
             failures.append(failure)
-    pruned = _prune(api, ns, name, meta["uid"], {_key(o) for o in desired}, log)
+    try:
+        pruned = _prune(api, ns, name, meta["uid"], {_key(o) for o in desired}, log)
+    except Exception as err:  # e.g. a name no label selector can hold: report, do not stop
+        failure = describe(err, "pruning")
+        if failure.retryable:
+            raise ChildApiError(failure) from err
+        pruned, failures = [], [*failures, failure]
 
     workloads = observe(api, cfg)
     for role in Role:
@@ -428,6 +435,7 @@ class Reconciler:
         return Outcome(res.result)
 
     def _retryable(self, key, failure: ApiFailure, started: float) -> Outcome:
+        metrics.API_ERRORS.labels(failure.reason, "true").inc()
         metrics.RECONCILES.labels("error").inc()
         metrics.RECONCILE_SECONDS.labels("error").observe(time.perf_counter() - started)
         delay = self.backoff.failed(key)

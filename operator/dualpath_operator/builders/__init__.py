@@ -23,6 +23,8 @@ from .workloads import (
 )
 
 POOL_KIND = "DualPathPool"
+# libyaml when present: the same text as SafeDumper, 5x faster (every reconcile renders it).
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 # Every (apiVersion, kind) `render` can produce: what pruning lists (by the cluster label, then
 # by owner uid) to delete children a spec no longer asks for. A test keeps it complete.
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
@@ -42,7 +44,7 @@ def config_map(cfg: ClusterConfig, owner: dict | None) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": metadata(cfg, child_name(cfg, "config"), "config", owner),
         "data": {
-            "cluster.yaml": yaml.safe_dump(cfg.to_resource(), sort_keys=False),
+            "cluster.yaml": yaml.dump(cfg.to_resource(), Dumper=_YAML_DUMPER, sort_keys=False),
             "config-hash": cfg.config_hash,
         },
     }

@@ -286,3 +286,17 @@ def test_log_lines_name_the_object_and_metrics_count_results(api, caplog):
     assert metrics.RECONCILES is not None
     lines = [r.getMessage() for r in caplog.records]
     assert lines and all(line.startswith("[default/agents] ") for line in lines)
+
+
+def test_a_listing_the_server_refuses_is_reported_with_the_apply_failures(api):
+    real_list = api.list
+
+    def bad_list(*args):
+        raise api_error(400, "BadRequest", "unable to parse requirement: invalid label value")
+
+    api.list = bad_list
+    assert Reconciler(api).run("default", "agents").result == "apply_failed"
+    degraded = cond(cr(api)["status"], "Degraded")
+    assert degraded["reason"] == "ApplyFailed" and "pruning: " in degraded["message"]
+    api.list = real_list
+    assert Reconciler(api).run("default", "agents").result == "ok"

@@ -12,7 +12,7 @@ from fakeapi import FakeApi, Killed
 from test_reconcile import DPC, DPP, ROOT
 
 SCALES = 50
-SEEDS = range(int(os.environ.get("DUALPATH_STORM_SEEDS", "25")))
+SEEDS = range(int(os.environ.get("DUALPATH_STORM_SEEDS", "20")))
 
 
 def fresh_api(rng):
