@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 
 import kopf
@@ -26,16 +27,19 @@ RESYNC_INTERVAL_S = 15.0
 LEGACY_FINALIZER = "dualpath.io/operator"  # added by versions that had a per-object timer
 
 _reconciler: Reconciler | None = None
+_reconciler_lock = threading.Lock()
 _resync_task: asyncio.Task | None = None
 
 
 def reconciler() -> Reconciler:
+    """The one Reconciler of this process (its per-object locks only work if it is one)."""
     global _reconciler
-    if _reconciler is None:
-        from .kube_api import KubeApi
+    with _reconciler_lock:
+        if _reconciler is None:
+            from .kube_api import KubeApi
 
-        _reconciler = Reconciler(KubeApi())
-    return _reconciler
+            _reconciler = Reconciler(KubeApi())
+        return _reconciler
 
 
 @kopf.on.startup()
