@@ -1,100 +1,107 @@
-"""kopf handlers: thin. They gather the body, call `reconcile`, and write status/events."""
+"""kopf handlers: thin triggers. Each calls the shared `Reconciler`, which reads, applies,
+prunes and writes status itself.
+
+No finalizer: nothing here needs one (no timers, daemons or on.delete handlers; kopf adds its
+finalizer only for those), so deleting a DualPathCluster never waits for the operator, and
+garbage collection through owner references deletes the children. The periodic resync (drift
+repair, status refresh) is an operator-owned task started on startup and stopped on cleanup,
+not a per-object kopf timer, for exactly that reason. kopf removes the finalizer an older
+version left on objects, because the name below still tells it which one is ours.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
+from collections.abc import Callable
 
 import kopf
-from dualpath.config import API_GROUP, API_VERSION, ConfigError
+from dualpath.config import API_GROUP, API_VERSION
 
-from . import reconcile as rec
-from .k8s_errors import classify
-from .status import compute_status
+from .reconcile import Reconciler
 
-_api = None
+log = logging.getLogger(__name__)
+RESYNC_INTERVAL_S = 15.0
+LEGACY_FINALIZER = "dualpath.io/operator"  # added by versions that had a per-object timer
+
+_reconciler: Reconciler | None = None
+_reconciler_lock = threading.Lock()
+_resync_task: asyncio.Task | None = None
 
 
-def api():
-    global _api
-    if _api is None:
-        from .kube_api import KubeApi
+def reconciler() -> Reconciler:
+    """The one Reconciler of this process (its per-object locks only work if it is one)."""
+    global _reconciler
+    with _reconciler_lock:
+        if _reconciler is None:
+            from .kube_api import KubeApi
 
-        _api = KubeApi()
-    return _api
+            _reconciler = Reconciler(KubeApi())
+        return _reconciler
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_):
-    settings.persistence.finalizer = "dualpath.io/operator"  # none added: GC does deletes
-    settings.posting.level = logging.INFO
+async def configure(settings: kopf.OperatorSettings, **_):
+    global _resync_task
+    settings.persistence.finalizer = LEGACY_FINALIZER  # never added now; only removed
+    # Our own events (Scaled, ApplyFailed, UnsafeScale, Ready) are posted by the reconcile;
+    # kopf posts only its warnings (a handler that failed).
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
     settings.execution.max_workers = 8
-    # Field managers: our applies are server-side with FIELD_MANAGER; kopf's own annotations
-    # for progress go to status.kopf, not into the spec.
-    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf")
+    # Progress (retries, backoff) in annotations: the CRD's status schema prunes status.kopf.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="dualpath.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="dualpath.io", key="last-handled-configuration"
     )
+    _resync_task = asyncio.create_task(resync_forever(reconciler), name="dualpath-resync")
 
 
-def _reconcile(body, patch, logger) -> None:
-    try:
-        result = rec.reconcile(api(), dict(body))
-    except ConfigError as err:
-        status = compute_status(
-            body.get("metadata", {}).get("generation", 0),
-            "",
-            {},
-            "",
-            (body.get("status") or {}).get("conditions"),
-            apply_error=f"invalid spec: {err}",
-        )
-        patch.status.update(status)
-        kopf.warn(body, reason="InvalidSpec", message=str(err))
-        raise kopf.PermanentError(f"invalid spec: {err}") from None
-    except kopf.PermanentError:
-        raise
-    except Exception as err:  # classified once, here
-        raise classify(err, "apply children") from err
-    previous = (body.get("status") or {}).get("conditions") or []
-    was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in previous)
-    patch.status.update(result.status)
-    is_ready = result.status["phase"] == "Ready"
-    if is_ready != was_ready:
-        kopf.info(
-            body,
-            reason="Ready" if is_ready else "Progressing",
-            message=result.status["conditions"][0]["message"],
-        )
-    logger.info("reconciled %d children; phase %s", len(result.applied), result.status["phase"])
+@kopf.on.cleanup()
+async def stop_resync(**_):
+    if _resync_task is not None:
+        _resync_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await _resync_task
+
+
+async def resync_forever(
+    get_reconciler: Callable[[], Reconciler], interval_s: float = RESYNC_INTERVAL_S
+) -> None:
+    """Level trigger: every known cluster is reconciled each interval (drift repaired, status
+    refreshed from the children), except those still inside their failure backoff."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await resync_once(get_reconciler())
+
+
+async def resync_once(rec: Reconciler) -> None:
+    for namespace, name in rec.due():
+        try:
+            await asyncio.to_thread(rec.run, namespace, name)
+        except Exception:  # a bug, not an API error (those are data): keep the loop alive
+            log.exception("[%s/%s] resync failed", namespace, name)
+
+
+def _run(namespace: str, name: str) -> None:
+    outcome = reconciler().run(namespace, name)
+    if outcome.retry_after_s is not None:
+        raise kopf.TemporaryError(outcome.message, delay=outcome.retry_after_s)
 
 
 @kopf.on.resume(API_GROUP, API_VERSION, "dualpathclusters")
 @kopf.on.create(API_GROUP, API_VERSION, "dualpathclusters")
 @kopf.on.update(API_GROUP, API_VERSION, "dualpathclusters", field="spec")
-def cluster_changed(body, patch, logger, **_):
-    _reconcile(body, patch, logger)
-    kopf.info(
-        body,
-        reason="Applied",
-        message=f"children applied for generation {body.get('metadata', {}).get('generation')}",
-    )
-
-
-@kopf.timer(
-    API_GROUP, API_VERSION, "dualpathclusters", interval=10, initial_delay=5, idle=0, sharp=False
-)
-def cluster_resync(body, patch, logger, **_):
-    """Level trigger: repair drift and refresh status from the children every 10 s."""
-    _reconcile(body, patch, logger)
+def cluster_changed(namespace, name, **_):
+    _run(namespace, name)
 
 
 @kopf.on.field(API_GROUP, API_VERSION, "dualpathpools", field="spec.replicas")
-def pool_scaled(body, old, new, logger, **_):
-    if old is None:
-        return
-    try:
-        if rec.pool_scaled(api(), dict(body)):
-            kopf.info(body, reason="Scaled", message=f"replicas {old} -> {new}")
-    except Exception as err:
-        raise classify(err, "write pool scale into the cluster spec") from err
+def pool_scaled(namespace, spec, **_):
+    """`kubectl scale dpp/...` or an HPA: the owning cluster's reconcile merges the count."""
+    if spec.get("cluster"):
+        _run(namespace, spec["cluster"])

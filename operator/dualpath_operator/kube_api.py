@@ -1,7 +1,12 @@
-"""`ClusterApi` over the real Kubernetes API (dynamic client, server-side apply)."""
+"""`ClusterApi` over the real Kubernetes API (dynamic client, server-side apply).
+
+Every call has a deadline (`REQUEST_TIMEOUT_S`). Guarded writes put `metadata.resourceVersion`
+in the body: the API server then refuses them with 409 when the object moved on.
+"""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client as k8s
@@ -10,6 +15,8 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
 
 from .reconcile import FIELD_MANAGER
+
+REQUEST_TIMEOUT_S = 30
 
 
 def load_kube_config() -> k8s.ApiClient:
@@ -40,28 +47,87 @@ class KubeApi:
             namespace=meta.get("namespace"),
             field_manager=FIELD_MANAGER,
             force_conflicts=True,
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
         return out.to_dict()
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:
-            return self._res(api_version, kind).get(name=name, namespace=namespace).to_dict()
+            return (
+                self._res(api_version, kind)
+                .get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT_S)
+                .to_dict()
+            )
         except NotFoundError:
             return None
 
+    def list(self, api_version, kind, namespace, labels) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        out = self._res(api_version, kind).get(
+            namespace=namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+        )
+        return out.to_dict().get("items") or []
+
+    def delete(self, api_version, kind, namespace, name, uid) -> None:
+        self._res(api_version, kind).delete(
+            name=name,
+            namespace=namespace,
+            body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
+            _request_timeout=REQUEST_TIMEOUT_S,
+        )
+
     def patch_status(self, api_version, kind, namespace, name, status) -> None:
-        res = self._res(api_version, kind)
-        res.status.patch(
+        self._res(api_version, kind).status.patch(
             body={"status": status},
             name=name,
             namespace=namespace,
             content_type="application/merge-patch+json",
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
 
-    def patch_spec(self, api_version, kind, namespace, name, patch) -> None:
-        self._res(api_version, kind).patch(
-            body=patch,
-            name=name,
-            namespace=namespace,
-            content_type="application/merge-patch+json",
+    def patch_spec(self, api_version, kind, namespace, name, patch, resource_version):
+        body = {
+            **patch,
+            "metadata": {**patch.get("metadata", {}), "resourceVersion": resource_version},
+        }
+        return (
+            self._res(api_version, kind)
+            .patch(
+                body=body,
+                name=name,
+                namespace=namespace,
+                content_type="application/merge-patch+json",
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            .to_dict()
+        )
+
+    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on `obj`, as `kubectl describe` shows them."""
+        meta = obj["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._res("v1", "Event").create(
+            namespace=meta["namespace"],
+            body={
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": obj["apiVersion"],
+                    "kind": obj["kind"],
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "uid": meta.get("uid"),
+                    "resourceVersion": meta.get("resourceVersion"),
+                },
+                "type": type_,
+                "reason": reason,
+                "message": message[:1024],
+                "source": {"component": FIELD_MANAGER},
+                "reportingComponent": FIELD_MANAGER,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            },
+            _request_timeout=REQUEST_TIMEOUT_S,
         )

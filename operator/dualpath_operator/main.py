@@ -21,9 +21,12 @@ def run(args: argparse.Namespace) -> int:
 
     from . import handlers  # noqa: F401  (registers the handlers)
 
+    # /metrics: dualpath_operator_* (reconciles, errors, latency per result) + process metrics.
     obs = ObservabilityServer(args.metrics_port).start()
     try:
         kopf.run(
+            # One replica, no peering/leader election (the chart refuses replicaCount > 1):
+            # standalone also keeps kopf from needing the KopfPeering CRDs.
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace or [],

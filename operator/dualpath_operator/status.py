@@ -68,23 +68,39 @@ def _condition(
     }
 
 
+@dataclass(frozen=True)
+class Problem:
+    """Why the cluster is Degraded: a CamelCase reason and a sentence naming child and field."""
+
+    reason: str  # InvalidSpec, ApplyFailed, ApiRetrying, UnsafeScale, StartupChecks
+    message: str
+    blocks_ready: bool = True  # the children could not be (fully) applied
+
+
 def compute_status(
     generation: int,
     config_hash: str,
     workloads: dict[str, WorkloadObservation],
     scheduler_endpoint: str,
     previous_conditions: list[dict] | None = None,
-    apply_error: str | None = None,
+    problems: list[Problem] | None = None,
     warnings: list[str] | None = None,
+    frontend_endpoint: str | None = None,
     now: datetime | None = None,
 ) -> dict[str, Any]:
+    """The whole status. Keys whose object no longer exists are None, so a merge patch drops
+    them (e.g. `frontendEndpoint` after `frontend.replicas: 0`)."""
     stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     previous = {c["type"]: c for c in (previous_conditions or [])}
+    problems = list(problems or [])
+    if warnings:
+        problems.append(Problem("StartupChecks", "; ".join(warnings), blocks_ready=False))
+    failed = [p for p in problems if p.blocks_ready]
     missing = [w.name for w in workloads.values() if not w.exists]
     waiting = [w for w in workloads.values() if w.exists and not w.settled]
-    ready = not apply_error and not missing and not waiting
-    if apply_error:
-        r_reason, r_msg = "ApplyFailed", apply_error
+    ready = not failed and not missing and not waiting
+    if failed:
+        r_reason, r_msg = failed[0].reason, "; ".join(p.message for p in failed)
     elif missing:
         r_reason, r_msg = "ChildrenMissing", "not yet created: " + ", ".join(sorted(missing))
     elif waiting:
@@ -94,21 +110,20 @@ def compute_status(
         )
     else:
         r_reason, r_msg = "AllReplicasReady", "every pool and service is ready"
-    degraded = bool(apply_error) or bool(warnings)
-    d_reason = "ApplyFailed" if apply_error else ("StartupChecks" if warnings else "AsExpected")
-    d_msg = apply_error or ("; ".join(warnings) if warnings else "no problems seen")
+    d_reason = problems[0].reason if problems else "AsExpected"
+    d_msg = "; ".join(p.message for p in problems) if problems else "no problems seen"
     conditions = [
         _condition("Ready", ready, r_reason, r_msg, generation, previous, stamp),
         _condition(
             "Progressing",
-            not ready and not apply_error,
+            not ready and not failed,
             r_reason if not ready else "Settled",
             r_msg if not ready else "nothing to roll out",
             generation,
             previous,
             stamp,
         ),
-        _condition("Degraded", degraded, d_reason, d_msg, generation, previous, stamp),
+        _condition("Degraded", bool(problems), d_reason, d_msg, generation, previous, stamp),
     ]
 
     def pool(key: str) -> dict[str, int]:
@@ -121,10 +136,18 @@ def compute_status(
 
     return {
         "observedGeneration": generation,
-        "phase": "Ready" if ready else ("Failed" if apply_error else "Progressing"),
-        "configHash": config_hash,
-        "schedulerEndpoint": scheduler_endpoint,
+        "phase": "Ready" if ready else ("Failed" if failed else "Progressing"),
+        "configHash": config_hash or None,
+        "schedulerEndpoint": scheduler_endpoint or None,
+        "frontendEndpoint": frontend_endpoint,
         "prefill": pool("prefill"),
         "decode": pool("decode"),
         "conditions": conditions,
     }
+
+
+def condition(status: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    for c in (status or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None

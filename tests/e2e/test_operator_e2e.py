@@ -1,20 +1,39 @@
 """Opt-in: the operator against a real API server (`make e2e KUBECONFIG=...`).
 
-Applies the CRDs, runs `dualpath operator` against the cluster, applies a DualPathCluster and
-checks: children appear, status is Ready or Progressing, `kubectl scale` resizes the pool's
-StatefulSet, deleting the CR garbage-collects every child. Images need not be pullable.
+Runs `dualpath operator` locally against the cluster and checks, in order, each failure naming
+its step and showing kubectl's stderr: the example applied; a preset spec's config hash equal
+to `dualpath render`'s; a storm of 50 `kubectl scale dpp/...` with the operator killed and
+restarted twice ending at the last value; an unsafe scale reported; every bad input refused at
+admission or Degraded with a reason; `frontend.replicas: 0` pruned; `kubectl delete dpc` with
+the operator stopped; `helm uninstall` then namespace deletion. Images need not be pullable
+and pods may stay Pending (no kubelet needed).
 """
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from e2e_lib import (  # noqa: E402
+    BAD_INPUTS,
+    StepFailed,
+    bad_input_outcome,
+    condition,
+    get_json,
+    run,
+    shrink_example,
+    step,
+    storm_plan,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -25,110 +44,340 @@ pytestmark = [
     ),
 ]
 KUBECTL = os.environ.get("KUBECTL", str(ROOT / ".tools" / "bin" / "kubectl"))
+HELM = os.environ.get("HELM", str(ROOT / ".tools" / "bin" / "helm"))
+NAME = "agents"
 
 
-def kubectl(*args, check=True, input=None):
-    return subprocess.run(
-        [KUBECTL, *args], check=check, capture_output=True, text=True, input=input, timeout=120
-    )
+def kubectl(*args, check=True, input=None, timeout_s=120):
+    return run([KUBECTL, *args], check=check, input=input, timeout_s=timeout_s)
 
 
-def wait_for(what, fn, timeout_s=180):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(2)
-    raise AssertionError(f"timed out waiting for {what}")
+class Operator:
+    """`dualpath operator` as a child process that a step can SIGKILL and start again."""
+
+    def __init__(self, namespace: str, log_dir: Path) -> None:
+        self.namespace, self.log_dir, self.proc, self.starts = namespace, log_dir, None, 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.log_dir / f"operator-{self.starts}.log", "w")  # noqa: SIM115
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT / "workers"), str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dualpath.cli",
+                "operator",
+                "--namespace",
+                self.namespace,
+                "--liveness",
+                "",
+                "--metrics-port",
+                "0",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a node loss or OOM would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        path = self.log_dir / f"operator-{self.starts}.log"
+        return path.read_text()[-chars:] if path.exists() else ""
 
 
 @pytest.fixture(scope="module")
 def namespace():
     ns = f"dualpath-e2e-{uuid.uuid4().hex[:6]}"
-    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/dualpathclusters.dualpath.io",
-        "crd/dualpathpools.dualpath.io",
-        "--timeout=60s",
-    )
-    kubectl("create", "namespace", ns)
-    op = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dualpath.cli",
-            "operator",
-            "--namespace",
-            ns,
-            "--liveness",
-            "",
-            "--metrics-port",
-            "0",
-        ]
-    )
+    with step("install the CRDs"):
+        # --force-conflicts: after `helm install` Helm's field manager owns the CRDs' fields.
+        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+        kubectl(
+            "wait",
+            "--for=condition=Established",
+            "crd/dualpathclusters.dualpath.io",
+            "crd/dualpathpools.dualpath.io",
+            "--timeout=60s",
+        )
+    with step("create the namespace"):
+        kubectl("create", "namespace", ns)
     yield ns
-    op.terminate()
-    op.wait(timeout=30)
     kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def get(kind, name, ns):
-    res = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(res.stdout) if res.returncode == 0 else None
+@pytest.fixture(scope="module")
+def operator(namespace):
+    with tempfile.TemporaryDirectory() as logs:
+        op = Operator(namespace, Path(logs))
+        op.start()
+        yield op
+        op.stop()
 
 
-def test_cluster_lifecycle(namespace):
+@pytest.fixture
+def show_operator_log(request, operator):
+    """On a failure, the operator's log is part of the report (see conftest.py)."""
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print("--- operator log (tail) ---\n" + operator.log_tail(), file=sys.stderr)
+
+
+def example(ns, name=NAME):
     cr = yaml.safe_load((ROOT / "examples" / "dualpathcluster.yaml").read_text())
-    cr["metadata"]["namespace"] = namespace
-    cr["spec"]["prefill"].update(
-        replicas=1, gpusPerPod=0, resources={}, nodeSelector={}, tolerations=[]
+    return shrink_example(cr, ns, name)
+
+
+def cluster(ns, name=NAME):
+    return get_json(KUBECTL, "dualpathcluster", name, ns)
+
+
+def replicas_of(ns, role, name=NAME):
+    """(cluster spec, pool spec, StatefulSet spec) replicas of one role."""
+    c = cluster(ns, name) or {}
+    pool = get_json(KUBECTL, "dualpathpool", f"{name}-{role}", ns) or {}
+    sts = get_json(KUBECTL, "statefulset", f"{name}-{role}", ns) or {}
+    return (
+        c.get("spec", {}).get(role, {}).get("replicas"),
+        pool.get("spec", {}).get("replicas"),
+        sts.get("spec", {}).get("replicas"),
     )
-    cr["spec"]["decode"].update(replicas=1, gpusPerPod=0, nodeSelector={}, tolerations=[])
-    cr["spec"]["network"]["rdma"]["count"] = 0
-    cr["spec"]["storage"].pop("volume")
-    kubectl("apply", "-f", "-", input=yaml.safe_dump(cr))
+
+
+def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operator):
+    cr = example(namespace)
+    with step("apply the example (preset qwen2.5-32b, shrunk)"):
+        kubectl("apply", "-f", "-", input=yaml.safe_dump(cr))
+    with step("children appear"):
+        wait_for(
+            "StatefulSets, scheduler Deployment and pools",
+            lambda: all(
+                get_json(KUBECTL, kind, f"{NAME}-{suffix}", namespace)
+                for kind, suffix in [
+                    ("statefulset", "decode"),
+                    ("statefulset", "prefill"),
+                    ("deployment", "scheduler"),
+                    ("deployment", "frontend"),
+                    ("dualpathpool", "prefill"),
+                    ("dualpathpool", "decode"),
+                    ("networkpolicy", "scheduler"),
+                    ("networkpolicy", "workers"),
+                    ("networkpolicy", "frontend"),
+                ]
+            ),
+        )
+    with step("status reports Ready or Progressing, not Degraded by an apply"):
+        wait_for("status.conditions", lambda: condition(cluster(namespace), "Ready"))
+        obj = cluster(namespace)
+        degraded = condition(obj, "Degraded")
+        assert degraded["reason"] not in ("ApplyFailed", "InvalidSpec", "ApiRetrying"), degraded
+        assert "True" in (
+            condition(obj, "Ready")["status"],
+            condition(obj, "Progressing")["status"],
+        )
+        assert "kopf" not in obj["status"]  # kopf's progress lives in annotations
+    with step("the config hash equals `dualpath render` of the same file"):
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump(cr, f)
+        rendered = run(
+            [sys.executable, "-m", "dualpath.cli", "render", "-f", f.name],
+        ).stdout
+        cm = next(
+            d
+            for d in yaml.safe_load_all(rendered)
+            if d and d["metadata"]["name"] == f"{NAME}-config"
+        )
+        want = cm["data"]["config-hash"]
+        got = wait_for("status.configHash", lambda: cluster(namespace)["status"].get("configHash"))
+        assert got == want, f"operator applied hash {got}, dualpath render says {want}"
+        sts = get_json(KUBECTL, "statefulset", f"{NAME}-decode", namespace)
+        tpl_hash = sts["spec"]["template"]["metadata"]["annotations"]["dualpath.io/config-hash"]
+        assert tpl_hash == want
+    with step("kubectl get dpp shows desired and ready"):
+        out = kubectl("get", "dpp", "-n", namespace).stdout
+        assert "DESIRED" in out and "READY" in out, out
+
+
+def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
+    namespace, operator, show_operator_log
+):
+    plan = storm_plan(seed=int(os.environ.get("DUALPATH_E2E_SEED", "14")))
+    templates_before = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"][
+        "template"
+    ]
+    for i, value in enumerate(plan.values):
+        if i in plan.kill_before:
+            with step(f"kill the operator before scale {i}"):
+                operator.kill()
+        if i in plan.restart_before:
+            with step(f"restart the operator before scale {i}"):
+                operator.start()
+        with step(f"scale {i}: kubectl scale dpp/{NAME}-decode --replicas={value}"):
+            kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, f"--replicas={value}")
+        time.sleep(0.2 + 0.1 * (i % 4))
+    last = plan.values[-1]
+    with step(f"pool, cluster spec and StatefulSet end at the last value {last}"):
+        wait_for(
+            f"decode replicas == {last} everywhere",
+            lambda: replicas_of(namespace, "decode") == (last, last, last),
+            timeout_s=120,
+        )
+        time.sleep(20)  # more than one resync: nothing reverts it
+        got = replicas_of(namespace, "decode")
+        assert got == (last, last, last), f"reverted after settling: {got}"
+    with step("no scale rolled a pod template"):
+        after = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"]["template"]
+        assert after == templates_before
+
+
+def test_3_an_unsafe_scale_is_reported_not_done_and_not_undone(
+    namespace, operator, show_operator_log
+):
+    before = replicas_of(namespace, "decode")[2]
+    with step("kubectl scale dpp/...-decode --replicas=0 while prefill runs"):
+        kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, "--replicas=0")
+    with step("Degraded=True reason UnsafeScale, with a Warning event"):
+        wait_for(
+            "Degraded UnsafeScale",
+            lambda: (
+                (condition(cluster(namespace), "Degraded") or {}).get("reason") == "UnsafeScale"
+            ),
+        )
+        events = kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "reason=UnsafeScale", "-o", "json"
+        ).stdout
+        assert json.loads(events)["items"], "no UnsafeScale event"
+        assert replicas_of(namespace, "decode") == (before, 0, before)
+    with step("scaling decode back to 1 clears it"):
+        kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, "--replicas=1")
+        wait_for(
+            "Degraded no longer UnsafeScale",
+            lambda: (
+                (condition(cluster(namespace), "Degraded") or {}).get("reason") != "UnsafeScale"
+            ),
+        )
+
+
+@pytest.mark.parametrize("label, mutate", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_4_a_bad_input_is_refused_or_degraded_with_a_reason(
+    namespace, operator, show_operator_log, label, mutate
+):
+    cr = example(namespace, name=f"bad-{label}")
+    mutate(cr)
     name = cr["metadata"]["name"]
+    with step(f"apply bad input {label}"):
+        applied = kubectl("apply", "-f", "-", input=yaml.safe_dump(cr), check=False)
+    with step(f"bad input {label}: refused at admission or Degraded with a reason"):
+        outcome = wait_for(
+            f"{label} refused or Degraded",
+            lambda: bad_input_outcome(
+                applied, None if applied.returncode else cluster(namespace, name)
+            ),
+            timeout_s=90,
+        )
+        assert outcome.message, outcome
+        print(f"{label}: {outcome.how}: {outcome.message}")
+    if applied.returncode == 0:
+        kubectl("delete", "dualpathcluster", name, "-n", namespace, "--wait=false", check=False)
 
-    wait_for(
-        "children",
-        lambda: (
-            get("statefulset", f"{name}-decode", namespace)
-            and get("deployment", f"{name}-scheduler", namespace)
-            and get("dualpathpool", f"{name}-prefill", namespace)
-        ),
-    )
-    status = wait_for(
-        "status",
-        lambda: (get("dualpathcluster", name, namespace) or {}).get("status", {}).get("conditions"),
-    )
-    ready = next(c for c in status if c["type"] == "Ready")
-    progressing = next(c for c in status if c["type"] == "Progressing")
-    assert ready["status"] == "True" or progressing["status"] == "True"
 
-    kubectl("scale", f"dualpathpool/{name}-decode", "-n", namespace, "--replicas=2")
-    wait_for(
-        "scaled statefulset",
-        lambda: (
-            (get("statefulset", f"{name}-decode", namespace) or {}).get("spec", {}).get("replicas")
-            == 2
-        ),
-    )
-    assert get("dualpathcluster", name, namespace)["spec"]["decode"]["replicas"] == 2
+def test_5_frontend_replicas_zero_prunes_the_frontend(namespace, operator, show_operator_log):
+    with step("patch frontend.replicas: 0"):
+        kubectl(
+            "patch",
+            "dualpathcluster",
+            NAME,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"frontend": {"replicas": 0}}}),
+        )
+    with step("the frontend Deployment and Service are deleted"):
+        wait_for(
+            "frontend gone",
+            lambda: (
+                get_json(KUBECTL, "deployment", f"{NAME}-frontend", namespace) is None
+                and get_json(KUBECTL, "service", f"{NAME}-frontend", namespace) is None
+                and get_json(KUBECTL, "networkpolicy", f"{NAME}-frontend", namespace) is None
+            ),
+        )
+    with step("status drops frontendEndpoint"):
+        wait_for(
+            "no status.frontendEndpoint",
+            lambda: "frontendEndpoint" not in (cluster(namespace) or {}).get("status", {}),
+        )
 
-    kubectl("delete", "dualpathcluster", name, "-n", namespace, "--wait=true")
-    wait_for(
-        "garbage collection",
-        lambda: all(
-            get(kind, f"{name}-{suffix}", namespace) is None
-            for kind, suffix in [
-                ("statefulset", "decode"),
-                ("statefulset", "prefill"),
-                ("deployment", "scheduler"),
-                ("configmap", "config"),
-                ("dualpathpool", "decode"),
-            ]
-        ),
-    )
+
+def test_6_delete_completes_with_the_operator_stopped(namespace, operator, show_operator_log):
+    with step("no finalizer on the cluster"):
+        assert not cluster(namespace)["metadata"].get("finalizers")
+    with step("stop the operator"):
+        operator.kill()
+    with step("kubectl delete dpc completes without the operator"):
+        kubectl("delete", "dualpathcluster", NAME, "-n", namespace, "--timeout=60s")
+    with step("garbage collection deletes the children"):
+        wait_for(
+            "children deleted",
+            lambda: all(
+                get_json(KUBECTL, kind, f"{NAME}-{suffix}", namespace) is None
+                for kind, suffix in [
+                    ("statefulset", "decode"),
+                    ("statefulset", "prefill"),
+                    ("deployment", "scheduler"),
+                    ("configmap", "config"),
+                    ("dualpathpool", "decode"),
+                ]
+            ),
+        )
+    operator.start()  # for any test after this one
+
+
+def test_7_helm_uninstall_then_namespace_deletion(namespace):
+    ns = f"{namespace}-helm"
+    release = "dualpath-e2e"
+    with step("helm install (operator scaled to 0: no image pull needed)"):
+        run(
+            [
+                HELM,
+                "install",
+                release,
+                str(ROOT / "charts" / "dualpath"),
+                "-n",
+                ns,
+                "--create-namespace",
+                "--set",
+                "replicaCount=0",
+                "--set",
+                f"operator.watchNamespaces={{{ns}}}",
+            ],
+            timeout_s=300,
+        )
+    with step("a DualPathCluster in the release namespace"):
+        kubectl("apply", "-f", "-", input=yaml.safe_dump(example(ns)))
+    with step("helm uninstall"):
+        run([HELM, "uninstall", release, "-n", ns, "--wait"], timeout_s=300)
+    with step("the namespace (and the CR in it) is deleted"):
+        try:
+            kubectl("delete", "namespace", ns, "--timeout=120s", timeout_s=150)
+        except StepFailed:
+            left = kubectl("get", "dpc", "-n", ns, "-o", "json", check=False).stdout
+            raise StepFailed(f"namespace {ns} not deleted; left: {left[:2000]}") from None

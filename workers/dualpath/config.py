@@ -780,8 +780,20 @@ class ClusterConfig(BaseModel):
 
     @property
     def config_hash(self) -> str:
-        """Changes whenever the spec changes: rendered into pods so a spec change rolls them."""
-        return hashlib.sha256(self.spec_json().encode()).hexdigest()[:16]
+        """Hash of what the processes read: rendered into every pod template, so a change rolls
+        the pods, and workers register it so the scheduler never pairs two versions. Replica
+        counts and Kubernetes-only placement (resources, node selector, tolerations, Service
+        type) are left out: a scale must change replica counts and nothing else, and
+        placement already sits in the one pod template it concerns."""
+        spec = self.spec.model_dump(mode="json", by_alias=True)
+        for role in ("prefill", "decode"):
+            for key in ("replicas", "resources", "nodeSelector", "tolerations"):
+                spec[role].pop(key)
+        spec["scheduler"].pop("replicas")
+        for key in ("replicas", "serviceType"):
+            spec["frontend"].pop(key)
+        text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def spec_json(self) -> str:
         return self.spec.model_dump_json(by_alias=True)

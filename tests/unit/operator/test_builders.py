@@ -130,3 +130,59 @@ def test_every_rendered_container_command_is_one_the_cli_accepts(example):
         assert parsed._module  # a command module was chosen
         if args[0] == "worker":
             assert parsed.role in ("prefill", "decode") and parsed.scheduler
+
+
+def _with(cfg, **roles):
+    spec = cfg.to_resource()["spec"]
+    for role, replicas in roles.items():
+        spec[role]["replicas"] = replicas
+    return config.ClusterConfig(
+        name=cfg.name, namespace=cfg.namespace, spec=config.parse_spec(spec)
+    )
+
+
+def _templates(objs):
+    import yaml
+
+    return {
+        f"{o['kind']}/{o['metadata']['name']}": yaml.safe_dump(o["spec"]["template"])
+        for o in objs
+        if o["kind"] in ("StatefulSet", "Deployment")
+    }
+
+
+@pytest.mark.parametrize(
+    "scale", [{"decode": 12}, {"prefill": 1}, {"prefill": 0, "decode": 0}, {"frontend": 5}]
+)
+def test_a_replica_change_leaves_every_pod_template_byte_identical(example, scale):
+    """A scale (kubectl scale dpp/..., an HPA step) must change replica counts and nothing
+    else: no pod rolls, the scheduler (Recreate) is not re-created."""
+    scaled = _with(example, **scale)
+    assert scaled.config_hash == example.config_hash
+    before, after = _templates(render(example, OWNER)), _templates(render(scaled, OWNER))
+    assert after == before
+    counts = {
+        o["metadata"]["name"]: o["spec"]["replicas"]
+        for o in render(scaled, OWNER)
+        if o["kind"] in ("StatefulSet", "Deployment")
+    }
+    for role, n in scale.items():
+        assert counts[f"agents-{role}"] == n
+
+
+def test_a_setting_the_processes_read_still_rolls_them(example):
+    spec = example.to_resource()["spec"]
+    spec["storage"]["readConcurrency"] = 3
+    changed = config.ClusterConfig(name="agents", spec=config.parse_spec(spec))
+    assert changed.config_hash != example.config_hash
+
+
+def test_child_kinds_cover_everything_render_produces(example):
+    """Pruning lists CHILD_KINDS: a kind missing there would never be pruned."""
+    from dualpath_operator.builders import CHILD_KINDS
+
+    for cfg in (example, config.local_default()):
+        kinds = {(o["apiVersion"], o["kind"]) for o in render(cfg, OWNER)}
+        assert kinds <= set(CHILD_KINDS)
+        for obj in render(cfg, OWNER):
+            assert obj["metadata"]["labels"]["dualpath.io/cluster"] == cfg.name

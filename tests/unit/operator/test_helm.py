@@ -56,3 +56,51 @@ def test_values_schema_refuses_bad_values(tools):
         text=True,
     )
     assert res.returncode != 0 and "pullPolicy" in res.stderr
+
+
+def test_one_operator_replica_only(tools):
+    """No leader election: more than one replica would have two operators writing."""
+    res = subprocess.run(
+        [str(tools / "helm"), "template", "rel", str(CHART), "--set", "replicaCount=2"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and "replicaCount" in res.stderr
+    out = helm(tools, "template", "rel", str(CHART))
+    dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_rbac_allows_pruning_every_child_kind(tools):
+    from dualpath_operator.builders import CHILD_KINDS
+
+    out = helm(tools, "template", "rel", str(CHART))
+    role = next(
+        d
+        for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("discovery")
+    )
+    plural = {
+        "ConfigMap": "configmaps",
+        "Service": "services",
+        "Deployment": "deployments",
+        "StatefulSet": "statefulsets",
+        "PodDisruptionBudget": "poddisruptionbudgets",
+        "NetworkPolicy": "networkpolicies",
+        "DualPathPool": "dualpathpools",
+    }
+    for api_version, kind in CHILD_KINDS:
+        group = api_version.rpartition("/")[0]
+        assert any(
+            group in r["apiGroups"]
+            and plural[kind] in r["resources"]
+            and {"list", "delete", "patch"} <= set(r["verbs"])
+            for r in role["rules"]
+        ), kind
+
+
+def test_notes_give_a_crd_upgrade_that_works_after_helm_install():
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert "<your-mirror>" not in notes and "https://" not in notes
+    assert "kubectl apply --server-side --force-conflicts" in notes
+    assert "dualpathpool/<name>-decode" in notes

@@ -1,62 +1,62 @@
-"""The reconcile against an in-memory API: idempotent, status follows children, scale writes
-through to the cluster spec, an operator restart changes nothing."""
+"""The reconcile against an in-memory API with resourceVersions and 409s: idempotent, status
+follows children, scales carried both ways, apply failures reported, children pruned."""
 
 import copy
+import logging
 from pathlib import Path
 
+import pytest
 import yaml
-from dualpath_operator.reconcile import pool_scaled, reconcile
+from dualpath_operator import metrics
+from dualpath_operator.reconcile import Backoff, Reconciler, reconcile
+from dualpath_operator.scaling import SYNCED_REPLICAS
+from fakeapi import FakeApi, api_error
+from prometheus_client import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-class FakeApi:
-    """Server-side apply as a whole-object replace keyed by (apiVersion, kind, ns, name)."""
-
-    def __init__(self):
-        self.objects = {}
-        self.writes = 0
-
-    def _k(self, api_version, kind, ns, name):
-        return (api_version, kind, ns, name)
-
-    def apply(self, obj):
-        m = obj["metadata"]
-        key = self._k(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
-        current = self.objects.get(key)
-        merged = {**copy.deepcopy(obj), "status": (current or {}).get("status", {})}
-        if current != merged:
-            self.writes += 1
-            self.objects[key] = merged
-        return merged
-
-    def get(self, api_version, kind, ns, name):
-        return copy.deepcopy(self.objects.get(self._k(api_version, kind, ns, name)))
-
-    def patch_status(self, api_version, kind, ns, name, status):
-        self.objects[self._k(api_version, kind, ns, name)]["status"] = status
-
-    def patch_spec(self, api_version, kind, ns, name, patch):
-        obj = self.objects[self._k(api_version, kind, ns, name)]
-        for role, fields in patch["spec"].items():
-            obj["spec"].setdefault(role, {}).update(fields)
+DPC = ("dualpath.io/v1alpha1", "DualPathCluster")
+DPP = ("dualpath.io/v1alpha1", "DualPathPool")
 
 
 def cluster_body():
-    cr = yaml.safe_load((ROOT / "examples" / "dualpathcluster.yaml").read_text())
-    cr["metadata"].update(uid="uid-1", generation=3)
-    return cr
+    return yaml.safe_load((ROOT / "examples" / "dualpathcluster.yaml").read_text())
+
+
+@pytest.fixture
+def api():
+    api = FakeApi()
+    api.create(cluster_body())
+    return api
+
+
+def cr(api):
+    return api.obj(*DPC, "agents")
+
+
+def cond(status, ctype):
+    return next(c for c in status["conditions"] if c["type"] == ctype)
 
 
 def set_ready(api, kind, name, n):
-    obj = api.objects[("apps/v1", kind, "default", name)]
-    obj["status"] = {"replicas": n, "readyReplicas": n, "updatedReplicas": n}
+    api.obj("apps/v1", kind, name)["status"] = {
+        "replicas": n,
+        "readyReplicas": n,
+        "updatedReplicas": n,
+    }
 
 
-def test_first_pass_creates_children_and_reports_progressing():
-    api = FakeApi()
-    result = reconcile(api, cluster_body())
-    kinds = sorted({k[1] for k in api.objects})
+def replicas(api, role):
+    """(cluster spec, pool spec, StatefulSet spec) replicas of one role."""
+    return (
+        cr(api)["spec"][role]["replicas"],
+        api.obj(*DPP, f"agents-{role}")["spec"]["replicas"],
+        api.obj("apps/v1", "StatefulSet", f"agents-{role}")["spec"]["replicas"],
+    )
+
+
+def test_first_pass_creates_children_and_reports_progressing(api):
+    result = reconcile(api, "default", "agents")
+    kinds = sorted({k[1] for k in api.objects} - {"DualPathCluster"})
     assert kinds == [
         "ConfigMap",
         "Deployment",
@@ -66,76 +66,254 @@ def test_first_pass_creates_children_and_reports_progressing():
         "Service",
         "StatefulSet",
     ]
-    assert result.status["observedGeneration"] == 3
-    ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False" and ready["reason"] == "RolloutInProgress"
-    progressing = next(c for c in result.status["conditions"] if c["type"] == "Progressing")
-    assert progressing["status"] == "True"
-    pool = api.objects[("dualpath.io/v1alpha1", "DualPathPool", "default", "agents-decode")]
+    status = cr(api)["status"]  # written by the reconcile itself
+    assert status == result.status | {"frontendEndpoint": "agents-frontend:8000"}
+    assert status["observedGeneration"] == 1
+    assert cond(status, "Ready")["status"] == "False"
+    assert cond(status, "Ready")["reason"] == "RolloutInProgress"
+    assert cond(status, "Progressing")["status"] == "True"
+    pool = api.obj(*DPP, "agents-decode")
     assert pool["status"]["selector"].startswith("app.kubernetes.io/name=dualpath")
+    assert pool["metadata"]["annotations"][SYNCED_REPLICAS] == "8"
 
 
-def test_second_pass_and_a_restarted_operator_change_nothing():
-    api = FakeApi()
-    body = cluster_body()
-    reconcile(api, body)
+def test_a_settled_pass_and_a_restarted_operator_change_nothing(api):
+    reconcile(api, "default", "agents")  # creates the children
+    reconcile(api, "default", "agents")  # records on the cluster which pool versions it holds
     writes = api.writes
-    reconcile(api, body)
-    reconcile(api, copy.deepcopy(body))  # a fresh operator process sees the same world
+    reconcile(api, "default", "agents")
+    Reconciler(api).run("default", "agents")  # a fresh operator process sees the same world
     assert api.writes == writes
 
 
-def test_ready_only_when_every_pod_runs_the_current_template():
-    api = FakeApi()
-    body = cluster_body()
-    reconcile(api, body)
+def test_ready_only_when_every_pod_runs_the_current_template(api):
+    reconcile(api, "default", "agents")
     set_ready(api, "StatefulSet", "agents-prefill", 4)
     set_ready(api, "StatefulSet", "agents-decode", 8)
     set_ready(api, "Deployment", "agents-scheduler", 1)
     set_ready(api, "Deployment", "agents-frontend", 2)
-    status = reconcile(api, body).status
+    status = reconcile(api, "default", "agents").status
     assert status["phase"] == "Ready" and status["decode"]["readyReplicas"] == 8
-    # A rollout: one decode pod still on the old template -> not Ready.
-    api.objects[("apps/v1", "StatefulSet", "default", "agents-decode")]["status"][
-        "updatedReplicas"
-    ] = 7
-    body["status"] = status
-    status2 = reconcile(api, body).status
-    ready = next(c for c in status2["conditions"] if c["type"] == "Ready")
+    assert any(e["reason"] == "Ready" for e in api.events)
+    api.obj("apps/v1", "StatefulSet", "agents-decode")["status"]["updatedReplicas"] = 7
+    ready = cond(reconcile(api, "default", "agents").status, "Ready")
     assert ready["status"] == "False" and "agents-decode" in ready["message"]
 
 
-def test_drift_is_repaired():
-    api = FakeApi()
-    body = cluster_body()
-    reconcile(api, body)
-    api.objects[("apps/v1", "StatefulSet", "default", "agents-prefill")]["spec"]["replicas"] = 1
-    reconcile(api, body)
-    assert (
-        api.objects[("apps/v1", "StatefulSet", "default", "agents-prefill")]["spec"]["replicas"]
-        == 4
+def test_drift_is_repaired(api):
+    reconcile(api, "default", "agents")
+    api.obj("apps/v1", "StatefulSet", "agents-prefill")["spec"]["replicas"] = 1
+    reconcile(api, "default", "agents")
+    assert api.obj("apps/v1", "StatefulSet", "agents-prefill")["spec"]["replicas"] == 4
+
+
+def test_kubectl_scale_on_a_pool_lands_in_the_cluster_spec_and_the_statefulset(api):
+    reconcile(api, "default", "agents")
+    api.user_patch_spec(*DPP, "agents-decode", {"replicas": 12})
+    reconcile(api, "default", "agents")
+    assert replicas(api, "decode") == (12, 12, 12)
+    scaled = [e for e in api.events if e["reason"] == "Scaled"]
+    assert scaled[-1]["message"].startswith("spec.decode.replicas 8 -> 12")
+    assert "agents-decode" in scaled[-1]["message"]
+    assert api.obj(*DPP, "agents-decode")["metadata"]["annotations"][SYNCED_REPLICAS] == "12"
+
+
+def test_an_edit_of_the_cluster_spec_lands_in_the_pool(api):
+    reconcile(api, "default", "agents")
+    api.user_patch_spec(*DPC, "agents", {"prefill": {"replicas": 6}})
+    reconcile(api, "default", "agents")
+    assert replicas(api, "prefill") == (6, 6, 6)
+    assert not [e for e in api.events if e["reason"] == "Scaled"]  # nobody's scale reverted
+
+
+def test_a_pool_scale_written_after_the_pass_read_it_is_not_overwritten(api):
+    """The race of the issue: the pass read the pool at 8, a scale to 3 lands before its
+    apply. The guarded pool apply gets a 409 and the pass is redone from fresh reads."""
+    reconcile(api, "default", "agents")
+    api.user_patch_spec(*DPC, "agents", {"decode": {"replicas": 9}})
+    fired = []
+
+    def scale_once(op):
+        if op == "apply DualPathPool/agents-decode" and not fired:
+            fired.append(op)
+            api.user_patch_spec(*DPP, "agents-decode", {"replicas": 3})
+
+    api.hook = scale_once
+    reconcile(api, "default", "agents")
+    api.hook = None
+    assert fired and replicas(api, "decode") == (3, 3, 3)
+
+
+def test_a_refused_unsafe_scale_is_reported_and_not_undone(api):
+    reconcile(api, "default", "agents")
+    api.user_patch_spec(*DPP, "agents-decode", {"replicas": 0})
+    status = reconcile(api, "default", "agents").status
+    degraded = cond(status, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "UnsafeScale"
+    assert "decode replicas 0 with prefill replicas 4" in degraded["message"]
+    # Not done (the StatefulSet and cluster keep 8) and not undone (the ask stays on the pool).
+    assert replicas(api, "decode") == (8, 0, 8)
+    warnings = [(e["kind"], e["reason"]) for e in api.events if e["type"] == "Warning"]
+    assert ("DualPathPool", "UnsafeScale") in warnings
+    assert ("DualPathCluster", "UnsafeScale") in warnings
+    n_events = len(api.events)
+    reconcile(api, "default", "agents")
+    assert len(api.events) == n_events  # reported once, not every pass
+    # Scaling prefill to 0 too makes the ask safe: both land.
+    api.user_patch_spec(*DPP, "agents-prefill", {"replicas": 0})
+    status = reconcile(api, "default", "agents").status
+    assert replicas(api, "decode") == (0, 0, 0) and replicas(api, "prefill") == (0, 0, 0)
+    assert cond(status, "Degraded")["reason"] != "UnsafeScale"
+
+
+INVALID_IMAGE = api_error(
+    422,
+    "Invalid",
+    'StatefulSet.apps "agents-decode" is invalid: spec.template.spec.containers[0].image: '
+    "Required value",
+    causes=[
+        {
+            "reason": "FieldValueRequired",
+            "message": "Required value",
+            "field": "spec.template.spec.containers[0].image",
+        }
+    ],
+    name="agents-decode",
+    kind="StatefulSet",
+)
+TYPED_PATCH_500 = api_error(
+    500,
+    "InternalError",
+    "failed to create typed patch object (default/agents-prefill; apps/v1, Kind=StatefulSet): "
+    ".spec.template.spec.volumes[2].bogus: field not declared in schema",
+)
+
+
+@pytest.mark.parametrize(
+    "kind, name, err, needle",
+    [
+        ("StatefulSet", "agents-decode", INVALID_IMAGE, "containers[0].image: Required value"),
+        ("StatefulSet", "agents-prefill", TYPED_PATCH_500, "volumes[2].bogus: field not declared"),
+        (
+            "Service",
+            "agents-scheduler",
+            api_error(400, "BadRequest", "spec.ports[1].port: Duplicate value: 9090"),
+            "Duplicate value: 9090",
+        ),
+    ],
+)
+def test_an_apply_the_server_refuses_ends_degraded_naming_child_and_field(
+    api, kind, name, err, needle
+):
+    api.refuse[(kind, name)] = err
+    rec = Reconciler(api, Backoff(base_s=10, max_s=600, clock=lambda: 0.0))
+    outcome = rec.run("default", "agents")
+    assert outcome.result == "apply_failed" and outcome.retry_after_s is None
+    status = cr(api)["status"]
+    degraded = cond(status, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ApplyFailed"
+    assert degraded["message"].startswith(f"{kind}/{name}: ") and needle in degraded["message"]
+    assert cond(status, "Ready")["status"] == "False" and status["phase"] == "Failed"
+    warning = [e for e in api.events if e["type"] == "Warning"]
+    assert warning and warning[0]["reason"] == "ApplyFailed" and needle in warning[0]["message"]
+    # The other children were applied; the failed one is retried with backoff, not hot.
+    assert ("apps/v1", "Deployment", "default", "agents-scheduler") in api.objects
+    assert rec.due() == [] and rec.backoff.failures(("default", "agents")) == 1
+    del api.refuse[(kind, name)]
+    rec.backoff.clock = lambda: 11.0
+    assert rec.due() == [("default", "agents")]
+    assert rec.run("default", "agents").result == "ok"
+    assert cond(cr(api)["status"], "Degraded")["reason"] != "ApplyFailed"
+
+
+def test_retryable_errors_back_off_and_are_reported_once_they_persist(api):
+    api.refuse[("ConfigMap", "agents-config")] = api_error(503, "ServiceUnavailable", "etcd down")
+    rec = Reconciler(api, Backoff(base_s=10, max_s=40, clock=lambda: 0.0))
+    delays = [rec.run("default", "agents").retry_after_s for _ in range(4)]
+    assert delays == [10, 20, 40, 40]
+    degraded = cond(cr(api)["status"], "Degraded")
+    assert degraded["reason"] == "ApiRetrying" and "ConfigMap/agents-config" in degraded["message"]
+
+
+def test_an_invalid_spec_is_reported_with_the_field(api):
+    cr(api)["spec"]["scheduler"]["nodeTimeoutMs"] = 5
+    assert Reconciler(api).run("default", "agents").result == "invalid_spec"
+    degraded = cond(cr(api)["status"], "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "nodeTimeoutMs" in degraded["message"]
+    assert api.events[-1]["reason"] == "InvalidSpec"
+
+
+def test_frontend_replicas_zero_prunes_the_frontend_and_its_status(api):
+    reconcile(api, "default", "agents")
+    assert cr(api)["status"]["frontendEndpoint"] == "agents-frontend:8000"
+    # Same label, another owner: not ours to delete.
+    foreign = copy.deepcopy(api.obj("v1", "Service", "agents-frontend"))
+    foreign["metadata"].update(name="agents-frontend-other", uid="x")
+    foreign["metadata"]["ownerReferences"][0]["uid"] = "another-cr"
+    api.create(foreign)
+    api.user_patch_spec(*DPC, "agents", {"frontend": {"replicas": 0}})
+    result = reconcile(api, "default", "agents")
+    assert sorted(result.pruned) == [
+        "Deployment/agents-frontend",
+        "NetworkPolicy/agents-frontend",
+        "Service/agents-frontend",
+    ]
+    assert ("apps/v1", "Deployment", "default", "agents-frontend") not in api.objects
+    assert ("v1", "Service", "default", "agents-frontend") not in api.objects
+    assert ("v1", "Service", "default", "agents-frontend-other") in api.objects
+    assert "frontendEndpoint" not in cr(api)["status"]
+
+
+def test_switching_network_policies_off_prunes_them(api):
+    reconcile(api, "default", "agents")
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "default", "agents-workers") in api.objects
+    api.user_patch_spec(*DPC, "agents", {"network": {"policies": {"enabled": False}}})
+    result = reconcile(api, "default", "agents")
+    assert sorted(p for p in result.pruned if p.startswith("NetworkPolicy/")) == [
+        "NetworkPolicy/agents-frontend",
+        "NetworkPolicy/agents-scheduler",
+        "NetworkPolicy/agents-workers",
+    ]
+
+
+def test_a_deleted_cluster_is_left_to_garbage_collection(api):
+    reconcile(api, "default", "agents")
+    del api.objects[(*DPC, "default", "agents")]
+    rec = Reconciler(api)
+    rec.known.add(("default", "agents"))
+    assert rec.run("default", "agents").result == "gone"
+    assert rec.known == set()
+
+
+def test_log_lines_name_the_object_and_metrics_count_results(api, caplog):
+    def sample(result):
+        return (
+            REGISTRY.get_sample_value("dualpath_operator_reconciles_total", {"result": result})
+            or 0.0
+        )
+
+    before = sample("ok")
+    with caplog.at_level(logging.INFO, logger="dualpath_operator.reconcile"):
+        Reconciler(api).run("default", "agents")
+    assert sample("ok") == before + 1
+    count = REGISTRY.get_sample_value(
+        "dualpath_operator_reconcile_duration_seconds_count", {"result": "ok"}
     )
+    assert count and count >= 1
+    assert metrics.RECONCILES is not None
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("[default/agents] ") for line in lines)
 
 
-def test_kubectl_scale_on_a_pool_writes_through_to_the_cluster_spec():
-    api = FakeApi()
-    body = cluster_body()
-    api.objects[("dualpath.io/v1alpha1", "DualPathCluster", "default", "agents")] = body
-    reconcile(api, body)
-    pool = api.get("dualpath.io/v1alpha1", "DualPathPool", "default", "agents-decode")
-    pool["spec"]["replicas"] = 12
-    assert pool_scaled(api, pool)
-    assert body["spec"]["decode"]["replicas"] == 12
-    assert not pool_scaled(api, pool)  # already in sync
-    reconcile(api, body)
-    sts = api.objects[("apps/v1", "StatefulSet", "default", "agents-decode")]
-    assert sts["spec"]["replicas"] == 12
+def test_a_listing_the_server_refuses_is_reported_with_the_apply_failures(api):
+    real_list = api.list
 
+    def bad_list(*args):
+        raise api_error(400, "BadRequest", "unable to parse requirement: invalid label value")
 
-def test_degraded_reports_startup_warnings():
-    api = FakeApi()
-    body = cluster_body()
-    body["spec"]["storage"].pop("volume")
-    status = reconcile(api, body).status
-    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
-    assert degraded["status"] == "True" and "storage.volume" in degraded["message"]
+    api.list = bad_list
+    assert Reconciler(api).run("default", "agents").result == "apply_failed"
+    degraded = cond(cr(api)["status"], "Degraded")
+    assert degraded["reason"] == "ApplyFailed" and "pruning: " in degraded["message"]
+    api.list = real_list
+    assert Reconciler(api).run("default", "agents").result == "ok"

@@ -1,0 +1,129 @@
+"""The e2e test's helpers, without a cluster: a failed command shows its stderr and the step,
+a wait says what it was waiting for, the storm plan kills in the middle, bad inputs resolve."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
+from e2e_lib import (  # noqa: E402
+    BAD_INPUTS,
+    StepFailed,
+    bad_input_outcome,
+    run,
+    shrink_example,
+    step,
+    storm_plan,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_a_failed_command_names_the_step_and_shows_its_stderr():
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; sys.stderr.write('Error from server (Invalid)'); sys.exit(3)",
+    ]
+    with pytest.raises(StepFailed) as err, step("apply the example"):
+        run(cmd)
+    text = str(err.value)
+    assert "step 'apply the example'" in text and "exited 3" in text
+    assert "Error from server (Invalid)" in text
+
+
+def test_check_false_returns_the_result_for_the_caller_to_judge():
+    res = run([sys.executable, "-c", "import sys; sys.exit(1)"], check=False)
+    assert res.returncode == 1
+
+
+def test_an_assertion_inside_a_step_names_it():
+    with pytest.raises(StepFailed, match="step 'scale 7'.*12 != 13"), step("scale 7"):
+        assert 12 == 13, "12 != 13"
+
+
+def test_a_wait_that_times_out_names_what_it_waited_for():
+    now = [0.0]
+    seen = []
+
+    def fn():
+        seen.append(1)
+        return None
+
+    def sleep(s):
+        now[0] += s
+
+    with pytest.raises(StepFailed, match="waiting for pool == 3"), step("storm"):
+        wait_for("pool == 3", fn, timeout_s=10, interval_s=2, clock=lambda: now[0], sleep=sleep)
+    assert len(seen) == 6
+    assert wait_for("x", lambda: 5, clock=lambda: 0.0, sleep=sleep) == 5
+
+
+def test_the_storm_plan_has_50_scales_and_two_kill_restart_windows_in_the_middle():
+    plan = storm_plan(14)
+    assert len(plan.values) == 50
+    assert all(a != b for a, b in zip(plan.values, plan.values[1:], strict=False))
+    for kill, restart in zip(plan.kill_before, plan.restart_before, strict=True):
+        assert 0 < kill < restart < 50
+    assert plan.restart_before[0] < plan.kill_before[1]
+    assert storm_plan(14) == plan
+
+
+def test_the_shrunk_example_needs_no_gpu_rdma_or_shared_volume():
+    cr = yaml.safe_load((ROOT / "examples" / "dualpathcluster.yaml").read_text())
+    small = shrink_example(cr, "ns-1")
+    assert small["metadata"]["namespace"] == "ns-1"
+    for role in ("prefill", "decode"):
+        assert small["spec"][role]["gpusPerPod"] == 0 and not small["spec"][role]["nodeSelector"]
+    assert (
+        small["spec"]["network"]["rdma"]["count"] == 0 and "volume" not in small["spec"]["storage"]
+    )
+    assert cr["spec"]["prefill"]["gpusPerPod"] == 8  # the original is untouched
+
+
+def test_bad_inputs_mutate_what_they_say():
+    cr = yaml.safe_load((ROOT / "examples" / "dualpathcluster.yaml").read_text())
+    got = {}
+    for label, mutate in BAD_INPUTS:
+        c = shrink_example(cr, "ns", f"bad-{label}")
+        mutate(c)
+        got[label] = c
+    assert got["cpu-lots"]["spec"]["prefill"]["resources"]["requests"]["cpu"] == "lots"
+    assert got["scheduler-port-9090"]["spec"]["scheduler"]["port"] == 9090
+    assert got["empty-image"]["spec"]["model"]["image"] == ""
+    assert len(got["name-74-chars"]["metadata"]["name"]) == 74
+    assert "." in got["dotted-name"]["metadata"]["name"]
+    assert "bogusSource" in got["bogus-volume"]["spec"]["storage"]["volume"]
+
+
+def test_a_bad_input_resolves_as_refused_or_degraded_and_not_before():
+    ok = subprocess.CompletedProcess([], 0, "", "")
+    refused = subprocess.CompletedProcess([], 1, "", "The DualPathCluster is invalid: spec.x")
+    assert bad_input_outcome(refused, None).how == "refused"
+    assert bad_input_outcome(ok, None) is None
+    progressing = {"status": {"conditions": [{"type": "Degraded", "status": "False"}]}}
+    assert bad_input_outcome(ok, progressing) is None
+    warning_only = {
+        "status": {
+            "conditions": [{"type": "Degraded", "status": "True", "reason": "StartupChecks"}]
+        }
+    }
+    assert bad_input_outcome(ok, warning_only) is None
+    failed = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "Degraded",
+                    "status": "True",
+                    "reason": "ApplyFailed",
+                    "message": "Service/x-scheduler: spec.ports[1].port: Duplicate value",
+                }
+            ]
+        }
+    }
+    out = bad_input_outcome(ok, failed)
+    assert out.how == "degraded" and "Service/x-scheduler" in out.message
