@@ -5,7 +5,8 @@ such files: a Kubernetes Secret mounted as a volume, one file per data entry. Th
 updates a mounted Secret in place (it swaps the `..data` link), so the keys are re-read when a
 file's (or the directory's) modification time, size or inode changes, checked at most every
 `recheck_s`: a rotated key works without a restart, a removed one stops working. A presented
-key is compared with every key in constant time (`hmac.compare_digest`, no early exit).
+key's SHA-256 is compared with every key's in constant time (`hmac.compare_digest` over equal
+lengths, no early exit).
 Requests are counted per key by the SHA-256 prefix of the key, never the key itself.
 """
 
@@ -34,6 +35,10 @@ def key_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
 def parse_keys(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
@@ -51,7 +56,7 @@ class ApiKeys:
         self.recheck_s = recheck_s
         self._clock = clock
         self._signature: tuple = ()
-        self._keys: list[bytes] = []
+        self._keys: list[tuple[bytes, str]] = []
         self._checked = -math.inf
         if not self.path.exists():
             raise ApiKeysError(f"--api-keys {self.path}: no such file or directory")
@@ -95,7 +100,8 @@ class ApiKeys:
         if self._signature:
             log.info("API keys at %s changed: %d keys now", self.path, len(keys))
         self._signature = sig
-        self._keys = [k.encode() for k in dict.fromkeys(keys)]
+        # kept as digests: every comparison is of 32 bytes, so not even a key's length leaks
+        self._keys = [(_digest(k), key_id(k)) for k in dict.fromkeys(keys)]
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -104,12 +110,12 @@ class ApiKeys:
         """The key id of `presented` if it is a current key, else None (constant time per key,
         every key compared)."""
         self._refresh()
-        given = presented.encode()
-        found: bytes | None = None
-        for key in self._keys:
-            if hmac.compare_digest(key, given):
-                found = key
-        return key_id(found.decode()) if found is not None else None
+        given = _digest(presented)
+        found: str | None = None
+        for digest, kid in self._keys:
+            if hmac.compare_digest(digest, given):
+                found = kid
+        return found
 
 
 class TokenBuckets:
