@@ -7,8 +7,6 @@ Only full blocks get ids; a partial last block is not stored.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 from typing import NewType
 
@@ -57,9 +55,8 @@ def is_block_id(s: str) -> bool:
 
 # ---- compact keys: what the scheduler's block index holds -----------------------------------
 # A key is the first 63 bits of a block id as an int (0 is never a key: it names "no parent",
-# the chain's root). Two ids sharing a key make at most a false hit, which the reader's check of
-# the block header turns into a recompute; at 1M blocks the chance of any such pair is ~1e-7.
-ROOT_KEY = 0
+# the chain's root). Two ids sharing a key make at most a false hit, which the reader turns into
+# a recompute (it opens blocks by their full id); at 1M blocks the chance of any pair is ~1e-7.
 
 
 def block_key(block_id: str) -> int:
@@ -68,22 +65,3 @@ def block_key(block_id: str) -> int:
 
 def block_keys(ids: Sequence[str]) -> list[int]:
     return [(int(b[:16], 16) >> 1) or 1 for b in ids]
-
-
-def pack_keys(keys: Sequence[int]) -> bytes:
-    """Keys (or parents, -1 = unknown, or depths) as little-endian int64s: the wire form in
-    the scheduler contract."""
-    arr = array("q", keys)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def unpack_keys(data: bytes) -> list[int]:
-    if len(data) % 8:
-        raise ValueError(f"packed keys must be a multiple of 8 bytes (got {len(data)})")
-    arr = array("q")
-    arr.frombytes(data)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tolist()

@@ -127,8 +127,6 @@ def process_specs(
                 str(fe_port),
                 "--scheduler",
                 ep.scheduler,
-                "--storage",
-                str(storage),
             ),
             health_url=f"{ep.frontend}/health",
             ready_timeout_s=120,

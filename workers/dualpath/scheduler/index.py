@@ -24,14 +24,34 @@ and never wrong output.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-ROOT = 0  # parent key of a chain's first block
+ROOT = 0  # parent key of a chain's first block (never a key: kv.ids.block_key)
 UNLINKED = -1  # parent unknown (a key found by a scan, or a write that did not say)
 _COUNT = 1 << 24  # _kids value: children count * _COUNT + the parent's depth
 _DEPTH = _COUNT - 1
+
+
+def pack_keys(values: Sequence[int]) -> bytes:
+    """Keys, parents or depths as little-endian int64s: their form in the scheduler contract."""
+    arr = array("q", values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_keys(data: bytes) -> list[int]:
+    if len(data) % 8:
+        raise ValueError(f"packed int64s must be a multiple of 8 bytes (got {len(data)})")
+    arr = array("q")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
 
 
 class Applied(Enum):

@@ -8,8 +8,8 @@ For one request:
 4. the prefill writes every new-token layer here (path P: every hit layer too), then `done`
    brings the last logits; the whole context's KV is then in this node's buffer;
 5. the sequence joins the continuous-batching decode loop; tokens stream back;
-6. before the last token is sent, the turn's new full blocks are written to the store, so the
-   agent's next turn hits them.
+6. before the last token is sent, the turn's new full blocks are written to the store and the
+   scheduler's block index has acknowledged their KV events, so the agent's next turn hits them.
 
 Hit KV that cannot be loaded (a bad or vanished block) is never used: the request is retried
 once with no hit (full recompute), logged and counted.
@@ -205,6 +205,7 @@ class DecodeRole:
             log.warning("request %s: writing its KV blocks failed: %s", rid, err)
             return
         log.debug("request %s: %d new blocks stored", rid, len(written))
+        await node.flush_kv_events()  # the agent's next turn must find them in the index
 
     async def _prefill(
         self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str

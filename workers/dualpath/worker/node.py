@@ -118,6 +118,8 @@ class WorkerNode:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._agent = None
+        self.kv_events = None  # the store's KV events (with a scheduler), and their publisher
+        self._publisher = None
         self.port = 0
 
     # ---- start ----------------------------------------------------------------------------
@@ -144,7 +146,17 @@ class WorkerNode:
         )
         storage = self.opts.storage or spec.storage.path
         backend = self.opts.store_backend if spec.storage.use_nixl else "preadv"
-        self.store = KVStore(storage, spec.model, spec.storage.capacity_bytes, backend=backend)
+        if self.opts.scheduler:
+            from dualpath.kv.events import KvEventBuffer
+
+            self.kv_events = KvEventBuffer()
+        self.store = KVStore(
+            storage,
+            spec.model,
+            spec.storage.capacity_bytes,
+            backend=backend,
+            events=self.kv_events,
+        )
         self.read_queue = ReadQueue(
             self.store, spec.storage.read_concurrency, spec.storage.snic_gbps, name=self.node_id
         )
@@ -195,6 +207,7 @@ class WorkerNode:
 
     async def _register(self) -> None:
         from dualpath.scheduler.client import NodeAgent, Registration
+        from dualpath.scheduler.kv_events import KvEventPublisher
 
         spec = self.cfg.spec
         pool = spec.pool(self.role)
@@ -213,7 +226,17 @@ class WorkerNode:
             reg,
             self.load,
             interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
+        )
+        self._publisher = KvEventPublisher(
+            self._agent.stub, self.node_id, self.kv_events, self.store.scan_keys
         ).start()
+        self._agent.on_kv_snapshot = self._publisher.request_snapshot
+        self._agent.start()
+
+    async def flush_kv_events(self) -> None:
+        """Wait until the scheduler's block index has this store's events so far."""
+        if self._publisher is not None:
+            await self._publisher.flush()
 
     def load(self) -> spb.NodeLoad:
         if self.prefill is not None:
@@ -301,6 +324,8 @@ class WorkerNode:
         self.ready = False
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._publisher is not None:
+            await self._publisher.stop()
         if self._agent is not None:
             await self._agent.stop()
         if self._server is not None:
