@@ -44,6 +44,15 @@ def pack_keys(values: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def keys_view(data: bytes) -> Sequence[int]:
+    """Packed keys as a sequence without converting them all: a lookup reads the few it probes."""
+    if len(data) % 8:
+        raise ValueError(f"packed int64s must be a multiple of 8 bytes (got {len(data)})")
+    if sys.byteorder != "little":
+        return unpack_keys(data)
+    return memoryview(data).cast("q")
+
+
 def unpack_keys(data: bytes) -> list[int]:
     if len(data) % 8:
         raise ValueError(f"packed int64s must be a multiple of 8 bytes (got {len(data)})")
@@ -243,8 +252,15 @@ class BlockIndex:
             return 0
         if keys[n - 1] in present:
             b = n
-        else:  # keys[lo] present, keys[hi] absent
-            lo, hi = 0, n - 1
+        else:  # keys[lo] present, keys[hi] absent; a turn's new blocks sit at the end, so
+            lo, hi = 0, n - 1  # gallop back from the end first, then bisect
+            step = 1
+            while hi - step > lo:
+                if keys[hi - step] in present:
+                    lo = hi - step
+                    break
+                hi -= step
+                step <<= 1
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
                 if keys[mid] in present:
@@ -256,8 +272,8 @@ class BlockIndex:
         if holes:
             if len(holes) < b:
                 crossed = any(d < b and keys[d] == h for h, d in holes.items())
-            else:
-                crossed = True
+            else:  # one C-level pass over the prefix (no hole set is ever bigger than needed)
+                crossed = not holes.keys().isdisjoint(keys[:b])
             if crossed:
                 c.walks += 1
                 for i in range(b):

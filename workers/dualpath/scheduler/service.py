@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dualpath.scheduler import metrics as m
-from dualpath.scheduler.index import Applied, unpack_keys
+from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import NodeState, ReadPath, RouteRequest
 from dualpath.scheduler.state import SchedulerState
 from dualpath.v1 import scheduler_pb2 as pb
@@ -173,7 +173,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if request.prompt_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be > 0")
         try:
-            keys = unpack_keys(request.block_keys)
+            keys = keys_view(request.block_keys)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_keys: {err}")
         hit = self.state.hit_tokens(request.prompt_tokens, keys)

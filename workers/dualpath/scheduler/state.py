@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dualpath.scheduler.index import BlockIndex
@@ -170,7 +170,7 @@ class SchedulerState:
         self.view.membership_changed()
 
     # -- routing ------------------------------------------------------------------------
-    def hit_tokens(self, prompt_tokens: int, block_keys: list[int]) -> int:
+    def hit_tokens(self, prompt_tokens: int, block_keys: Sequence[int]) -> int:
         """The prompt's hit: its longest prefix of blocks in the index, leaving at least one
         prompt token to prefill (the last token's logits start the decode)."""
         limit = (prompt_tokens - 1) // self.block_tokens
