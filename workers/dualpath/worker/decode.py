@@ -11,8 +11,9 @@ For one request:
 6. before the last token is sent, the turn's new full blocks are written to the store and the
    scheduler's block index has acknowledged their KV events, so the agent's next turn hits them.
 
-Hit KV that cannot be loaded (a bad or vanished block) is never used: the request is retried
-once with no hit (full recompute), logged and counted.
+Hit KV that cannot be loaded (a bad or vanished block: the scheduler's index may be stale) is
+never used: the hit ends at the first such block (path D shrinks it in place; path P retries
+with the prefix the prefill node could read) and the rest is recomputed, logged and counted.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
 from dualpath.worker.kvstream import hit_notif, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
-from dualpath.worker.prefill import PATH_NAMES, HitUnavailable
+from dualpath.worker.prefill import PATH_NAMES, VALID_HIT_KEY, HitUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +114,25 @@ class DecodeRole:
         t0 = time.perf_counter()
         self.tokens_queued += len(prompt)
         try:
-            try:
-                with node.transfer.active():
-                    kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
-            except (HitUnavailable, KVLoadError) as err:
-                metrics.FALLBACKS.labels("hit_unavailable").inc()
-                log.warning("request %s: hit KV unavailable (%s); recomputing the prompt", rid, err)
-                with node.transfer.active():
-                    kv, logits, hit, path = await self._prefill(req, prompt, 0, "none")
+            while True:
+                try:
+                    with node.transfer.active():
+                        kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
+                    break
+                except (HitUnavailable, KVLoadError) as err:
+                    if not hit:
+                        raise
+                    # strictly shorter each time: the loop ends at a full recompute at worst
+                    keep = getattr(err, "valid_tokens", 0)
+                    keep = min(keep - keep % model.block_tokens, hit - model.block_tokens)
+                    metrics.FALLBACKS.labels("hit_unavailable").inc()
+                    log.warning(
+                        "request %s: hit KV unavailable (%s); recomputing from token %d",
+                        rid,
+                        err,
+                        keep,
+                    )
+                    hit, path = keep, (path if keep else "none")
         finally:
             self.tokens_queued -= len(prompt)
         prefill_s = time.perf_counter() - t0
@@ -299,7 +311,8 @@ class DecodeRole:
             return kv, logits, layout.hit_tokens, path
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise HitUnavailable(err.details()) from None
+                valid = dict(err.trailing_metadata() or ()).get(VALID_HIT_KEY, "0")
+                raise HitUnavailable(err.details(), int(valid) if valid.isdigit() else 0) from None
             raise PrefillFailed(
                 f"prefill worker {req.prefill_node} ({req.prefill_address}): "
                 f"{err.code().name}: {err.details()}"

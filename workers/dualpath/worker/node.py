@@ -60,7 +60,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         )
 
     async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
-        from dualpath.worker.prefill import HitUnavailable
+        from dualpath.worker.prefill import VALID_HIT_KEY, HitUnavailable
 
         n = self.node
         if n.prefill is None:
@@ -71,7 +71,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             with n.transfer.active():
                 await n.prefill.serve(request, context)
         except HitUnavailable as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hit KV unavailable: {err}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"hit KV unavailable: {err}",
+                trailing_metadata=((VALID_HIT_KEY, str(err.valid_tokens)),),
+            )
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:
