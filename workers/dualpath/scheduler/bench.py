@@ -132,6 +132,21 @@ def indexed_store(
     return index, chains
 
 
+def index_requests(
+    chains: list[list[int]], rng: random.Random, n: int, block_tokens: int
+) -> list[tuple[int, bytes]]:
+    """(prompt tokens, packed block keys): one chain's prefix as the cached context plus a
+    turn's new blocks."""
+    out = []
+    for _ in range(n):
+        chain = rng.choice(chains)
+        cut = rng.randrange(1, len(chain) + 1)
+        new = [rng.getrandbits(63) | 1 for _ in range(rng.randrange(1, 12))]
+        keys = chain[:cut] + new
+        out.append((len(keys) * block_tokens + rng.randrange(0, block_tokens), pack_keys(keys)))
+    return out
+
+
 def index_route(
     n_nodes: int,
     n: int,
@@ -152,15 +167,9 @@ def index_route(
     gc.collect()
     gc.freeze()  # the bench's own chains and requests are not the service's garbage
     policy = get_policy(policy_name)
-    # each request: one chain's prefix as the cached context plus a turn's new blocks
-    reqs = []
-    for i in range(1000):
-        chain = rng.choice(chains)
-        cut = rng.randrange(1, len(chain) + 1)
-        new = [rng.getrandbits(63) | 1 for _ in range(rng.randrange(1, 12))]
-        keys = chain[:cut] + new
-        prompt = len(keys) * block_tokens + rng.randrange(0, block_tokens)
-        reqs.append((f"r{i}", prompt, pack_keys(keys)))
+    reqs = [
+        (f"r{i}", p, k) for i, (p, k) in enumerate(index_requests(chains, rng, 1000, block_tokens))
+    ]
     lat = []
     hit_blocks = 0
     clock = time.perf_counter_ns
@@ -186,11 +195,14 @@ def index_route(
         "index_bytes": index_bytes,
         "index_bytes_per_block": round(index_bytes / max(len(index), 1), 1),
         "mean_hit_blocks": round(hit_blocks / n, 1),
+        "hole_cuts": index.counters.hole_cuts,
         "walks": index.counters.walks,
     }
 
 
-async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dict:
+async def through_grpc(
+    n_nodes: int, n: int, policy_name: str, seed: int, n_blocks: int = 100_000
+) -> dict:
     from dualpath import config
     from dualpath.scheduler.cli import build
     from dualpath.scheduler.client import SchedulerClient
@@ -204,17 +216,21 @@ async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dic
     view = random_view(n_prefill, n_nodes - n_prefill, rng)
     for node in (*view.prefill, *view.decode):
         server.servicer.state.register(node, f"127.0.0.1:{1000}")
+    bt = server.servicer.state.block_tokens
+    index, chains = indexed_store(n_blocks, rng, bt)
+    server.servicer.state.index = index
     client = SchedulerClient(f"127.0.0.1:{server.port}")
-    reqs = _requests(n, rng)
+    reqs = index_requests(chains, rng, n, bt)
     lat = []
     try:
         t_start = time.perf_counter_ns()
-        for r in reqs:
+        for prompt, keys in reqs:
             t0 = time.perf_counter_ns()
             resp = await client.route(
-                prompt_tokens=r.prompt_tokens,
-                context_bytes=0,
-                max_new_tokens=r.max_new_tokens,
+                prompt_tokens=prompt,
+                block_keys=keys,
+                context_bytes=prompt * 70_000,
+                max_new_tokens=180,
             )
             lat.append(time.perf_counter_ns() - t0)
             await client.complete(resp.request_id)
@@ -228,6 +244,7 @@ async def through_grpc(n_nodes: int, n: int, policy_name: str, seed: int) -> dic
         "p99_us": _pct(lat, 0.99),
         "routes_per_s": n / wall_s,
         "decisions": n,
+        "indexed_blocks": len(index),
     }
 
 

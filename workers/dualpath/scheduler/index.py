@@ -15,8 +15,8 @@ so a block is only reachable through its parent: the index keeps each stored blo
 link, counts present children per parent and records **holes** (an absent key with present
 children, e.g. a block evicted or found bad while its descendants stay). The lookup is then a
 binary search (O(log n) set probes, flat in the store's size) plus a check of the holes that fall
-inside the found prefix by their depth; only a prefix that crosses a hole is walked block by
-block. Keys found by a scan carry no links: they are taken as prefix-closed until an event links
+inside the found prefix by their depth: the first one ends the prefix, which is bisected again
+below it. Only with more holes than prefix blocks is the prefix walked block by block. Keys found by a scan carry no links: they are taken as prefix-closed until an event links
 them, so a hole among them can cost one recompute (the reader verifies every block it loads)
 and never wrong output.
 """
@@ -84,7 +84,8 @@ class IndexCounters:
     rebuilds: int = 0  # snapshots installed
     lookups: int = 0
     lookups_unready: int = 0  # answered 0 because the index was being rebuilt
-    walks: int = 0  # lookups whose prefix crossed a hole (walked block by block)
+    hole_cuts: int = 0  # lookups whose prefix crossed a hole (bisected again before it)
+    walks: int = 0  # ... with more holes than prefix blocks (walked block by block)
 
 
 class BlockIndex:
@@ -247,36 +248,41 @@ class BlockIndex:
             c.lookups_unready += 1
             return 0
         n = len(keys) if limit is None else min(len(keys), limit)
-        present = self._parent
-        if n <= 0 or keys[0] not in present:
-            return 0
-        if keys[n - 1] in present:
-            b = n
-        else:  # keys[lo] present, keys[hi] absent; a turn's new blocks sit at the end, so
-            lo, hi = 0, n - 1  # gallop back from the end first, then bisect
-            step = 1
-            while hi - step > lo:
-                if keys[hi - step] in present:
-                    lo = hi - step
-                    break
-                hi -= step
-                step <<= 1
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if keys[mid] in present:
-                    lo = mid
-                else:
-                    hi = mid
-            b = lo + 1
+        b = self._boundary(keys, n)
         holes = self._holes
-        if holes:
-            if len(holes) < b:
-                crossed = any(d < b and keys[d] == h for h, d in holes.items())
-            else:  # one C-level pass over the prefix (no hole set is ever bigger than needed)
-                crossed = not holes.keys().isdisjoint(keys[:b])
-            if crossed:
+        if b and holes:
+            if len(holes) < b:  # the first hole inside the prefix ends it: bisect before it
+                first = min((d for h, d in holes.items() if d < b and keys[d] == h), default=b)
+                if first < b:
+                    c.hole_cuts += 1
+                    b = self._boundary(keys, first)  # no hole lies below `first`
+            elif not holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
                 c.walks += 1
+                present = self._parent
                 for i in range(b):
                     if keys[i] not in present:
                         return i
         return b
+
+    def _boundary(self, keys: Sequence[int], n: int) -> int:
+        """The end of the present run that starts keys[:n], if presence is monotone there."""
+        present = self._parent
+        if n <= 0 or keys[0] not in present:
+            return 0
+        if keys[n - 1] in present:
+            return n
+        lo, hi = 0, n - 1  # keys[lo] present, keys[hi] absent; a turn's new blocks sit at
+        step = 1  # the end, so gallop back from it first, then bisect
+        while hi - step > lo:
+            if keys[hi - step] in present:
+                lo = hi - step
+                break
+            hi -= step
+            step <<= 1
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if keys[mid] in present:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
