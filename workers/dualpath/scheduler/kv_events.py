@@ -123,12 +123,15 @@ class KvEventPublisher:
             removed_keys=pack_keys(removed),
         )
         backoff = 0.05
-        while not self._stopping:
+        while True:  # at least once: a stopping worker still sends what it has left
             try:
                 await self.stub.KvEvents(batch, timeout=self.rpc_timeout_s, wait_for_ready=True)
                 self.batches_sent += 1
                 return
             except grpc.aio.AioRpcError as err:
+                if self._stopping:
+                    log.warning("KV events %s#%d dropped at stop", self.node_id, self.seq)
+                    return
                 log.warning(
                     "KV events %s#%d not delivered (%s); retry in %.2fs",
                     self.node_id,
