@@ -95,6 +95,10 @@ async def test_route_drain_and_liveness(server):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await client.route(prompt_tokens=0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.route(prompt_tokens=10, block_keys=b"12345")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block_keys" in err.value.details()
 
         async with grpc.aio.insecure_channel(addr) as ch:
             h = await health_pb2_grpc.HealthStub(ch).Check(
