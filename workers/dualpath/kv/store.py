@@ -389,15 +389,12 @@ class KVStore:
 
         `announce`: publish a stored event without a chain link (put_tokens announces its
         blocks with their links instead)."""
+        written = self._put(block_id, layers)
         if announce and self.events is not None:
-            # after the write (below); a block already present is announced too, which heals
-            # an index that lost the event of its first write
-            try:
-                return self._put(block_id, layers)
-            finally:
-                if block_id in self._lru:
-                    self.events.stored_ids((block_id,))
-        return self._put(block_id, layers)
+            # a block already present is announced too: it heals an index that lost the event
+            # of its first write
+            self.events.stored_ids((block_id,))
+        return written
 
     def _put(self, block_id: BlockId, layers: Sequence[LayerKV]) -> bool:
         self._check_block(block_id, layers)
