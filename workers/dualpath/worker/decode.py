@@ -19,6 +19,7 @@ with the prefix the prefill node could read) and the rest is recomputed, logged 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -114,16 +115,21 @@ class DecodeRole:
         t0 = time.perf_counter()
         self.tokens_queued += len(prompt)
         try:
-            while True:
+            attempt = req
+            for retry in itertools.count(1):
                 try:
                     with node.transfer.active():
-                        kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
+                        kv, logits, hit, path = await self._prefill(attempt, prompt, hit, path)
                     break
                 except (HitUnavailable, KVLoadError) as err:
                     if not hit:
                         raise
-                    # strictly shorter each time: the loop ends at a full recompute at worst
-                    keep = getattr(err, "valid_tokens", 0)
+                    # the readable prefix, an upper bound the retry verifies again; strictly
+                    # shorter each time, so the loop ends at a full recompute at worst
+                    if isinstance(err, HitUnavailable):
+                        keep = err.valid_tokens
+                    else:
+                        keep = err.valid_blocks * model.block_tokens
                     keep = min(keep - keep % model.block_tokens, hit - model.block_tokens)
                     metrics.FALLBACKS.labels("hit_unavailable").inc()
                     log.warning(
@@ -133,6 +139,11 @@ class DecodeRole:
                         keep,
                     )
                     hit, path = keep, (path if keep else "none")
+                    # a fresh id: a late WRITE notification of the failed attempt must not
+                    # satisfy a wait of the retry
+                    attempt = wpb.GenerateRequest()
+                    attempt.CopyFrom(req)
+                    attempt.request_id = f"{rid}#{retry}"
         finally:
             self.tokens_queued -= len(prompt)
         prefill_s = time.perf_counter() - t0

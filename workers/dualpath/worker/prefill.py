@@ -149,7 +149,7 @@ class PrefillRole:
                         )
                     await asyncio.gather(*writes, *forward)
                 except KVLoadError as err:
-                    raise HitUnavailable(str(err)) from None
+                    raise HitUnavailable(str(err), err.valid_blocks * model.block_tokens) from None
                 finally:
                     for t in (*writes, *forward):
                         if not t.done():
