@@ -16,9 +16,10 @@ link, counts present children per parent and records **holes** (an absent key wi
 children, e.g. a block evicted or found bad while its descendants stay). The lookup is then a
 binary search (O(log n) set probes, flat in the store's size) plus a check of the holes that fall
 inside the found prefix by their depth: the first one ends the prefix, which is bisected again
-below it. Only with more holes than prefix blocks is the prefix walked block by block. Keys found by a scan carry no links: they are taken as prefix-closed until an event links
-them, so a hole among them can cost one recompute (the reader verifies every block it loads)
-and never wrong output.
+below it. Only with more holes than prefix blocks is the prefix walked block by block. Keys
+found by a scan carry no links: they are taken as prefix-closed until an event links them, so
+a hole among them can cost one recompute (the reader verifies every block it loads) and never
+wrong output.
 """
 
 from __future__ import annotations
