@@ -69,8 +69,6 @@ async def test_route_drain_and_liveness(server):
         await wait_nodes(client, 4)
         resp = await client.route(
             prompt_tokens=1000,
-            hit_tokens=960,
-            hit_bytes=1 << 20,
             context_bytes=1 << 20,
             max_new_tokens=16,
         )
@@ -80,7 +78,9 @@ async def test_route_drain_and_liveness(server):
 
         assert await client.drain("p0")
         for _ in range(5):
-            r = await client.route(prompt_tokens=100, hit_tokens=64, hit_bytes=1 << 16)
+            r = await client.route(
+                prompt_tokens=100,
+            )
             assert r.prefill_node == "p1"
 
         await agents[1].stop()  # p1's heartbeats stop: out of the pool after the timeout
@@ -89,12 +89,16 @@ async def test_route_drain_and_liveness(server):
         view = await client.cluster_view()
         assert not next(n for n in view.nodes if n.node_id == "p1").healthy
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.route(prompt_tokens=100, hit_tokens=64, hit_bytes=1, queue_timeout_s=0.2)
+            await client.route(prompt_tokens=100, queue_timeout_s=0.2)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await client.route(prompt_tokens=0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.route(prompt_tokens=10, block_keys=b"12345")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block_keys" in err.value.details()
 
         async with grpc.aio.insecure_channel(addr) as ch:
             h = await health_pb2_grpc.HealthStub(ch).Check(
@@ -149,9 +153,7 @@ async def test_kill_and_restart_under_load_loses_nothing():
         while not stop.is_set() and i < 2000:
             i += 1
             try:
-                r = await client.route(
-                    prompt_tokens=500, hit_tokens=448, hit_bytes=1 << 16, max_new_tokens=4
-                )
+                r = await client.route(prompt_tokens=500, max_new_tokens=4)
                 routed.append(r.request_id)
                 await client.complete(r.request_id)
             except grpc.aio.AioRpcError as err:
@@ -198,7 +200,7 @@ def unpaired_total():
 
 
 async def route_pair(client):
-    r = await client.route(prompt_tokens=1000, hit_tokens=960, hit_bytes=1 << 20, max_new_tokens=8)
+    r = await client.route(prompt_tokens=1000, max_new_tokens=8)
     await client.complete(r.request_id)
     return r.prefill_node, r.decode_node
 
@@ -215,7 +217,7 @@ async def test_two_config_hashes_never_pair(server):
         assert {n.node_id: n.config_hash for n in view.nodes} == {"p-v1": "v1", "d-v2": "v2"}
         before = unpaired_total()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.route(prompt_tokens=100, hit_tokens=64, hit_bytes=1, queue_timeout_s=0.2)
+            await client.route(prompt_tokens=100, queue_timeout_s=0.2)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "share a config hash (prefill: v1; decode: v2)" in err.value.details()
         assert unpaired_total() == before + 1
@@ -230,7 +232,7 @@ async def test_two_config_hashes_never_pair(server):
         assert {await route_pair(client) for _ in range(10)} == {("p-v2", "d-v2")}
         assert await client.drain("d-v2")  # new decode gone too: v2 prefill and v1 decode left
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.route(prompt_tokens=100, hit_tokens=64, hit_bytes=1, queue_timeout_s=0.2)
+            await client.route(prompt_tokens=100, queue_timeout_s=0.2)
         assert "config hash" in err.value.details()
         assert unpaired_total() == before + 2
     finally:

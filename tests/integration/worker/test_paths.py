@@ -183,6 +183,27 @@ async def test_a_corrupted_hit_block_is_recomputed_never_used(cluster, decode):
         assert decode.store.check(ids[:3]) == (3, [])
 
 
+async def test_a_hit_the_index_offers_but_storage_lost_ends_at_the_gap(cluster, decode):
+    """The scheduler's index is stale (another process evicted a block): on either path the
+    hit ends at the missing block, the rest is recomputed, and the answer is the same."""
+    cfg, address = cluster
+    model = cfg.spec.model
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(4, model.vocab_size, (50,), generator=g).tolist()
+    gen1, _ = await _generate(decode, _request(cfg, address, "g1", prompt, 0, 0, max_new=3))
+    ctx = prompt + gen1 + [7, 8, 9]
+    ids = block_ids(ctx, model)
+    hit = decode.store.lookup(ids) * BT
+    assert hit == 48
+    clean, _ = await _generate(decode, _request(cfg, address, "g-ref", ctx, 0, 0))
+    for rid, enum in (("g-d", spb.READ_PATH_DECODE), ("g-p", spb.READ_PATH_PREFILL)):
+        decode.store.path_of(ids[1]).unlink()  # gone behind the index's back
+        tokens, head = await _generate(decode, _request(cfg, address, rid, ctx, hit, enum))
+        assert tokens == clean
+        assert head.hit_tokens == BT and head.read_path == enum  # block 0 still served
+        assert decode.store.check(ids[:3]) == (3, [])  # the turn wrote block 1 again
+
+
 async def test_transfer_info_names_the_agent_role_and_config(cluster, decode):
     cfg, address = cluster
     info = await decode.worker_stub(address).GetTransferInfo(wpb.TransferInfoRequest(), timeout=10)

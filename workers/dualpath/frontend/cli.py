@@ -19,7 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="scheduler host:port (default: 127.0.0.1:spec.scheduler.port)",
     )
-    parser.add_argument("--storage", default=None, help="KV directory (default: spec.storage.path)")
     parser.add_argument(
         "--api-keys",
         default=None,
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         from dualpath.frontend.grpc_backend import GrpcBackend
 
         sched = args.scheduler or f"127.0.0.1:{cfg.spec.scheduler.port}"
-        backend = GrpcBackend(cfg, sched, args.storage or cfg.spec.storage.path)
+        backend = GrpcBackend(cfg, sched)
     port = args.port if args.port is not None else cfg.spec.frontend.port
     keys_path = args.api_keys or default_keys_path()
     try:

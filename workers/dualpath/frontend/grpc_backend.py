@@ -1,22 +1,22 @@
-"""The real backend: store prefix lookup -> `Scheduler.Route` -> decode worker `Generate`
-(server-streaming tokens) -> `Scheduler.Complete`.
+"""The real backend: `Scheduler.Route` -> decode worker `Generate` (server-streaming tokens)
+-> `Scheduler.Complete`.
 
-The hit length is computed here with the kv module's `block_ids` over the session's full token
-history and a read-only existence check in the shared storage directory (the frontend never
-reads KV, never evicts), capped so at least one prompt token is left to prefill.
+The frontend never touches storage: it sends the keys of the prompt's block ids (the kv
+module's `block_ids` over the session's full token history) and the scheduler answers with the
+hit its block index found (DESIGN section 3), which the decode worker then verifies as it loads.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
-from dualpath.kv.ids import block_ids
+from dualpath.kv.ids import block_ids, block_keys
+from dualpath.scheduler.index import pack_keys
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +28,11 @@ class GrpcBackend:
         self,
         config: ClusterConfig,
         scheduler_address: str,
-        storage_path: str,
         timeout_s: float = 900.0,  # a whole turn: queueing behind other prefills included
     ) -> None:
         self.config = config
         self.model = config.spec.model
         self.scheduler_address = scheduler_address
-        self.storage = Path(storage_path)
         self.timeout_s = timeout_s
         self._sched = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -66,14 +64,6 @@ class GrpcBackend:
             return False, f"waiting for workers ({len(view.nodes)} registered)"
         return True, f"{len(view.nodes)} nodes, policy {view.policy}"
 
-    def hit_blocks(self, ids: list[int]) -> int:
-        hits = 0
-        for b in block_ids(ids, self.model):
-            if not (self.storage / "blocks" / b[:2] / b).exists():
-                break
-            hits += 1
-        return min(hits, (len(ids) - 1) // self.model.block_tokens)
-
     def _worker(self, address: str):
         from dualpath.v1 import worker_pb2_grpc
 
@@ -86,15 +76,14 @@ class GrpcBackend:
         from dualpath.v1 import worker_pb2
 
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
-        hit = self.hit_blocks(req.prompt_ids) * self.model.block_tokens
+        keys = block_keys(block_ids(req.prompt_ids, self.model))
         per_tok = self.model.kv_bytes_per_token
         try:
             route = await self._sched.route(
                 request_id=req.request_id,
                 session_id=req.session_id,
                 prompt_tokens=len(req.prompt_ids),
-                hit_tokens=hit,
-                hit_bytes=hit * per_tok,
+                block_keys=pack_keys(keys),
                 context_bytes=len(req.prompt_ids) * per_tok,
                 max_new_tokens=req.max_new_tokens,
             )
@@ -108,7 +97,7 @@ class GrpcBackend:
                     request_id=route.request_id,
                     session_id=req.session_id,
                     prompt_tokens=req.prompt_ids,
-                    hit_tokens=hit,
+                    hit_tokens=route.hit_tokens,
                     max_new_tokens=req.max_new_tokens,
                     read_path=route.read_path,
                     prefill_node=route.prefill_node,

@@ -51,3 +51,17 @@ def block_ids(
 
 def is_block_id(s: str) -> bool:
     return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+
+
+# ---- compact keys: what the scheduler's block index holds -----------------------------------
+# A key is the first 63 bits of a block id as an int (0 is never a key: it names "no parent",
+# the chain's root). Two ids sharing a key make at most a false hit, which the reader turns into
+# a recompute (it opens blocks by their full id); at 1M blocks the chance of any pair is ~1e-7.
+
+
+def block_key(block_id: str) -> int:
+    return (int(block_id[:16], 16) >> 1) or 1
+
+
+def block_keys(ids: Sequence[str]) -> list[int]:
+    return [(int(b[:16], 16) >> 1) or 1 for b in ids]

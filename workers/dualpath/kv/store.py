@@ -38,6 +38,7 @@ from dualpath.kv.backend import (
     make_backend,
     reads_runs,
 )
+from dualpath.kv.events import KvEventBuffer, chain_events
 from dualpath.kv.files import OpenBlock, OpenBlocks
 from dualpath.kv.format import (
     BlockFormatError,
@@ -46,7 +47,7 @@ from dualpath.kv.format import (
     encode_header,
     layer_checksum,
 )
-from dualpath.kv.ids import BlockId, block_ids, is_block_id
+from dualpath.kv.ids import BlockId, block_ids, block_key, is_block_id
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,10 @@ class KVStore:
         backend: str | ReadBackend = "auto",
         durable: bool = True,
         open_files: int = _OPEN_FILES,
+        events: KvEventBuffer | None = None,
     ) -> None:
         self.root = Path(root)
+        self.events = events  # KV events for the scheduler's block index (stored / removed)
         self._blocks_dir = str(self.root / "blocks")
         self.model = model
         self.layout = BlockLayout.from_model(model)
@@ -359,6 +362,8 @@ class KVStore:
             self.path_of(block_id).unlink()
         except FileNotFoundError:
             pass
+        if self.events is not None:
+            self.events.removed_ids((block_id,))
 
     def evict(self, block_id: BlockId) -> None:
         with self._lock:
@@ -379,8 +384,19 @@ class KVStore:
 
     # ---- writes --------------------------------------------------------------------------
 
-    def put(self, block_id: BlockId, layers: Sequence[LayerKV]) -> bool:
-        """Write one block (per layer K, V of (block_tokens, heads, dim)); False if present."""
+    def put(self, block_id: BlockId, layers: Sequence[LayerKV], announce: bool = True) -> bool:
+        """Write one block (per layer K, V of (block_tokens, heads, dim)); False if present.
+
+        `announce`: publish a stored event without a chain link (put_tokens announces its
+        blocks with their links instead)."""
+        written = self._put(block_id, layers)
+        if announce and self.events is not None:
+            # a block already present is announced too: it heals an index that lost the event
+            # of its first write
+            self.events.stored_ids((block_id,))
+        return written
+
+    def _put(self, block_id: BlockId, layers: Sequence[LayerKV]) -> bool:
         self._check_block(block_id, layers)
         if self._present(block_id):
             if os.path.exists(self._file(block_id)):
@@ -443,16 +459,41 @@ class KVStore:
         bt = self.layout.block_tokens
         ids = block_ids(tokens, self.model)
         written = []
+        end = 0
         for i, bid in enumerate(ids):
             start = i * bt - kv_start_token
             if start < 0:
+                end = i + 1
                 continue
             if start + bt > kv_layers[0][0].shape[0]:
                 break
             blk = [(k[start : start + bt], v[start : start + bt]) for k, v in kv_layers]
-            if self.put(bid, blk):
+            if self._put(bid, blk):
                 written.append(bid)
+            end = i + 1
+        if self.events is not None and end:
+            # the whole chain with its links: the blocks written here, and the prefix this
+            # process still holds (it links keys a scan found, and heals lost events)
+            with self._lock:
+                first = 0
+                for i in range(end - 1, -1, -1):
+                    if ids[i] not in self._lru:
+                        first = i + 1
+                        break
+            self.events.stored(chain_events(ids, end, first))
         return written
+
+    def scan_keys(self) -> list[int]:
+        """The keys (`block_key`) of every block file in the directory now, whoever wrote it:
+        the snapshot the scheduler rebuilds its block index from."""
+        keys = []
+        with os.scandir(self._blocks_dir) as shards:
+            for shard in shards:
+                if not shard.is_dir():
+                    continue
+                with os.scandir(shard.path) as files:
+                    keys.extend(block_key(f.name) for f in files if is_block_id(f.name))
+        return keys
 
     def _check_block(self, block_id: BlockId, layers: Sequence[LayerKV]) -> None:
         lo = self.layout
@@ -544,6 +585,8 @@ class KVStore:
                     if size is not None:
                         self._used -= size
                     self._files.invalidate(block_id)
+                    if self.events is not None:  # gone: the index must stop offering it
+                        self.events.removed_ids((block_id,))
                 else:  # a bad block: remove it so the next turn rewrites it
                     self._drop_locked(block_id)
                     metrics.EVICTIONS.inc()

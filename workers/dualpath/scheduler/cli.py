@@ -35,6 +35,7 @@ def build(
         thresholds_from_spec(s),
         node_timeout_s=s.node_timeout_ms / 1000.0,
         cnic_bytes_per_s=cnic,
+        block_tokens=cfg.spec.model.block_tokens,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
     return SchedulerServer(servicer, host, port)

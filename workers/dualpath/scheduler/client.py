@@ -102,8 +102,10 @@ class NodeAgent:
         load: Callable[[], pb.NodeLoad],
         interval_s: float = 0.02,
         rpc_timeout_s: float = 2.0,
+        on_kv_snapshot: Callable[[int], None] | None = None,
     ) -> None:
         self.reg = reg
+        self.on_kv_snapshot = on_kv_snapshot  # the scheduler asks for a store scan (its id)
         self.load = load
         self.interval_s = interval_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -154,6 +156,8 @@ class NodeAgent:
                 await self._register()
                 backoff = 0.05
                 async for ack in self.stub.Heartbeats(self._beats()):
+                    if ack.kv_snapshot_id and self.on_kv_snapshot is not None:
+                        self.on_kv_snapshot(ack.kv_snapshot_id)
                     if not ack.known:
                         log.warning(
                             "scheduler does not know %s: registering again", self.reg.node_id

@@ -25,3 +25,27 @@ NODE_READ_PENDING = Gauge(
 NODE_TOKENS = Gauge("dualpath_scheduler_node_tokens", "Tokens queued+running per node", ["node"])
 NODE_HEALTHY = Gauge("dualpath_scheduler_node_healthy", "1 if the node is in the pool", ["node"])
 IN_FLIGHT = Gauge("dualpath_scheduler_in_flight_requests", "Routed, not yet completed")
+INDEX_BLOCKS = Gauge("dualpath_scheduler_index_blocks", "Block keys in the block index")
+INDEX_HOLES = Gauge(
+    "dualpath_scheduler_index_holes", "Absent blocks with present descendants (a hit ends there)"
+)
+INDEX_READY = Gauge(
+    "dualpath_scheduler_index_ready", "1 when the block index answers hits (0: being rebuilt)"
+)
+INDEX_EVENTS = Counter(
+    "dualpath_scheduler_index_events_total", "KV events applied to the block index", ["op"]
+)
+INDEX_GAPS = Counter(
+    "dualpath_scheduler_index_gaps_total", "KV event batches that showed a lost batch before them"
+)
+INDEX_REBUILDS = Counter(
+    "dualpath_scheduler_index_snapshot_rebuilds_total", "Store scans installed into the index"
+)
+INDEX_LOOKUPS = Counter(
+    "dualpath_scheduler_index_lookups_total",
+    "Hit lookups by outcome (hit, miss, unready: answered 0 while rebuilding)",
+    ["outcome"],
+)
+INDEX_HIT_BLOCKS = Counter(
+    "dualpath_scheduler_index_hit_blocks_total", "Blocks found by hit lookups"
+)

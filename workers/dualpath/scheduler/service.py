@@ -1,5 +1,9 @@
 """The scheduler's gRPC shell: a thin asyncio servicer over `SchedulerState` and the policy.
 
+Route finds the request's hit in the block index (`index.py`) before the policy runs; KvEvents
+and KvSnapshot feed the index, and a heartbeat ack asks a worker for a store scan while the
+index is being rebuilt.
+
 Also serves the standard health service (with graceful shutdown) and reflection.
 """
 
@@ -14,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dualpath.scheduler import metrics as m
+from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import NodeState, ReadPath, RouteRequest
 from dualpath.scheduler.state import SchedulerState
 from dualpath.v1 import scheduler_pb2 as pb
@@ -80,28 +85,109 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 ld.buffer_free_bytes,
                 ld.draining,
             )
+            snapshot_id = 0
             if known:
                 m.NODE_READ_PENDING.labels(hb.node_id).set(ld.read_pending_bytes)
                 m.NODE_TOKENS.labels(hb.node_id).set(ld.tokens_queued + ld.tokens_running)
                 m.NODE_HEALTHY.labels(hb.node_id).set(1)
                 self._notify()
-            yield pb.HeartbeatAck(known=known)
+                snapshot_id = self.state.index.snapshot_wanted(hb.node_id, self.state.clock())
+                if snapshot_id:
+                    log.info(
+                        "block index: asking %s for a store scan (snapshot %d)",
+                        hb.node_id,
+                        snapshot_id,
+                    )
+            yield pb.HeartbeatAck(known=known, kv_snapshot_id=snapshot_id)
 
-    async def Route(self, request, context):  # noqa: N802
-        if (
-            request.prompt_tokens <= 0
-            or request.hit_tokens < 0
-            or (request.hit_tokens > request.prompt_tokens)
-        ):
+    async def KvEvents(self, request, context):  # noqa: N802
+        try:
+            stored_keys = unpack_keys(request.stored_keys)
+            parents = unpack_keys(request.stored_parents)
+            depths = unpack_keys(request.stored_depths)
+            removed = unpack_keys(request.removed_keys)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KvEventBatch: {err}")
+        if not request.node_id or request.seq < 1:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "KvEventBatch: node_id and seq >= 1 are required"
+            )
+        if not len(stored_keys) == len(parents) == len(depths):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "prompt_tokens must be > 0 and 0 <= hit_tokens <= prompt_tokens",
+                "KvEventBatch: stored_keys, stored_parents and stored_depths differ in length",
             )
+        index = self.state.index
+        was_ready = index.ready
+        result = index.apply(
+            request.node_id,
+            request.epoch,
+            request.seq,
+            list(zip(stored_keys, parents, depths, strict=True)),
+            removed,
+        )
+        if result is not Applied.DUPLICATE:
+            m.INDEX_EVENTS.labels("stored").inc(len(stored_keys))
+            m.INDEX_EVENTS.labels("removed").inc(len(removed))
+        if result is Applied.GAP:
+            m.INDEX_GAPS.inc()
+            log.warning(
+                "block index: KV events of %s skipped to seq %d (a batch was lost)%s",
+                request.node_id,
+                request.seq,
+                "; rebuilding from a store scan, hits are 0 until then" if was_ready else "",
+            )
+        self._index_gauges()
+        return pb.KvEventAck(gap=result is Applied.GAP)
+
+    async def KvSnapshot(self, request_iterator, context):  # noqa: N802
+        keys: list[int] = []
+        snapshot_id, node = 0, ""
+        async for chunk in request_iterator:
+            snapshot_id, node = chunk.snapshot_id, chunk.node_id
+            try:
+                keys.extend(unpack_keys(chunk.keys))
+            except ValueError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KvSnapshotChunk: {err}")
+        installed = self.state.index.install_snapshot(snapshot_id, keys)
+        if installed:
+            m.INDEX_REBUILDS.inc()
+            log.info(
+                "block index rebuilt from %s's store scan: %d blocks (snapshot %d)",
+                node,
+                len(self.state.index),
+                snapshot_id,
+            )
+        else:
+            log.info("block index: ignored snapshot %d from %s (not awaited)", snapshot_id, node)
+        self._index_gauges()
+        return pb.KvSnapshotAck(installed=installed, blocks=len(keys))
+
+    def _index_gauges(self) -> None:
+        index = self.state.index
+        m.INDEX_BLOCKS.set(len(index))
+        m.INDEX_HOLES.set(index.holes)
+        m.INDEX_READY.set(1 if index.ready else 0)
+
+    async def Route(self, request, context):  # noqa: N802
+        if request.prompt_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be > 0")
+        try:
+            keys = keys_view(request.block_keys)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_keys: {err}")
+        hit = self.state.hit_tokens(request.prompt_tokens, keys)
+        m.INDEX_LOOKUPS.labels(
+            "unready" if not self.state.index.ready else "hit" if hit else "miss"
+        ).inc()
+        m.INDEX_HIT_BLOCKS.inc(hit // self.state.block_tokens)
+        # bytes per token from the caller's own context size (its model's KV layout)
+        per_token = request.context_bytes // request.prompt_tokens
         rr = RouteRequest(
             request_id=request.request_id,
             prompt_tokens=request.prompt_tokens,
-            hit_tokens=request.hit_tokens,
-            hit_bytes=request.hit_bytes,
+            hit_tokens=hit,
+            hit_bytes=hit * per_token,
             context_bytes=request.context_bytes,
             max_new_tokens=request.max_new_tokens,
             session_id=request.session_id,
@@ -148,6 +234,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             read_path=_PATH[decision.read_path],
             policy=self.state.policy.name,
             est_read_finish_s=decision.est_read_finish_s,
+            hit_tokens=rr.hit_tokens,
+            hit_bytes=rr.hit_bytes,
         )
 
     async def Complete(self, request, context):  # noqa: N802
@@ -210,6 +298,7 @@ class SchedulerServer:
         await self.server.start()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.servicer._index_gauges()
         self._liveness = asyncio.create_task(self._expire_loop(), name="scheduler-liveness")
         log.info("scheduler serving on :%d (policy %s)", self.port, self.servicer.state.policy.name)
 

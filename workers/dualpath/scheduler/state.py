@@ -9,9 +9,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dualpath.scheduler.index import BlockIndex
 from dualpath.scheduler.policy import (
     ClusterView,
     Decision,
@@ -57,8 +58,12 @@ class SchedulerState:
         node_timeout_s: float,
         cnic_bytes_per_s: float = 25.0e9,
         clock: Callable[[], float] = time.monotonic,
+        block_tokens: int = 64,
+        index: BlockIndex | None = None,
     ) -> None:
         self.policy = policy
+        self.block_tokens = block_tokens
+        self.index = index if index is not None else BlockIndex()
         self.node_timeout_s = node_timeout_s
         self.clock = clock
         self.nodes: dict[str, NodeRecord] = {}
@@ -169,6 +174,12 @@ class SchedulerState:
         self.view.membership_changed()
 
     # -- routing ------------------------------------------------------------------------
+    def hit_tokens(self, prompt_tokens: int, block_keys: Sequence[int]) -> int:
+        """The prompt's hit: its longest prefix of blocks in the index, leaving at least one
+        prompt token to prefill (the last token's logits start the decode)."""
+        limit = (prompt_tokens - 1) // self.block_tokens
+        return self.index.hit_blocks(block_keys, limit) * self.block_tokens
+
     def route(self, request: RouteRequest) -> Decision | None:
         if not request.request_id:
             request.request_id = f"r{next(self._ids)}"

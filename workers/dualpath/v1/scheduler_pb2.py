@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64ualpath/v1/scheduler.proto\x12\x0b\x64ualpath.v1\"\x9c\x01\n\x08NodeLoad\x12\x1a\n\x12read_pending_bytes\x18\x01 \x01(\x03\x12\x15\n\rtokens_queued\x18\x02 \x01(\x03\x12\x16\n\x0etokens_running\x18\x03 \x01(\x03\x12\x18\n\x10requests_running\x18\x04 \x01(\x05\x12\x19\n\x11\x62uffer_free_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\xef\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x18\n\x10snic_bytes_per_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\x12#\n\x04load\x18\t \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\"J\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x17\n\x0fnode_timeout_ms\x18\x02 \x01(\x05\"A\n\tHeartbeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\"\x1d\n\x0cHeartbeatAck\x12\r\n\x05known\x18\x01 \x01(\x08\"\xbc\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x12\n\nhit_tokens\x18\x04 \x01(\x03\x12\x11\n\thit_bytes\x18\x05 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x06 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fqueue_timeout_s\x18\x08 \x01(\x01\"\xd4\x01\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_node\x18\x02 \x01(\t\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12(\n\tread_path\x18\x06 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x19\n\x11\x65st_read_finish_s\x18\x08 \x01(\x01\"K\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\"\x12\n\x10\x43ompleteResponse\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"8\n\rDrainResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10routed_in_flight\x18\x02 \x01(\r\"\x14\n\x12\x43lusterViewRequest\"\xc8\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12#\n\x04load\x18\x05 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\"t\n\x13\x43lusterViewResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.dualpath.v1.NodeInfo\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0crouted_total\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*R\n\x08ReadPath\x12\x19\n\x15READ_PATH_UNSPECIFIED\x10\x00\x12\x15\n\x11READ_PATH_PREFILL\x10\x01\x12\x14\n\x10READ_PATH_DECODE\x10\x02\x32\xb4\x03\n\tScheduler\x12G\n\x08Register\x12\x1c.dualpath.v1.RegisterRequest\x1a\x1d.dualpath.v1.RegisterResponse\x12\x43\n\nHeartbeats\x12\x16.dualpath.v1.Heartbeat\x1a\x19.dualpath.v1.HeartbeatAck(\x01\x30\x01\x12>\n\x05Route\x12\x19.dualpath.v1.RouteRequest\x1a\x1a.dualpath.v1.RouteResponse\x12G\n\x08\x43omplete\x12\x1c.dualpath.v1.CompleteRequest\x1a\x1d.dualpath.v1.CompleteResponse\x12>\n\x05\x44rain\x12\x19.dualpath.v1.DrainRequest\x1a\x1a.dualpath.v1.DrainResponse\x12P\n\x0b\x43lusterView\x12\x1f.dualpath.v1.ClusterViewRequest\x1a .dualpath.v1.ClusterViewResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64ualpath/v1/scheduler.proto\x12\x0b\x64ualpath.v1\"\x9c\x01\n\x08NodeLoad\x12\x1a\n\x12read_pending_bytes\x18\x01 \x01(\x03\x12\x15\n\rtokens_queued\x18\x02 \x01(\x03\x12\x16\n\x0etokens_running\x18\x03 \x01(\x03\x12\x18\n\x10requests_running\x18\x04 \x01(\x05\x12\x19\n\x11\x62uffer_free_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\xef\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x18\n\x10snic_bytes_per_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\x12#\n\x04load\x18\t \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\"J\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x17\n\x0fnode_timeout_ms\x18\x02 \x01(\x05\"A\n\tHeartbeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\"5\n\x0cHeartbeatAck\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0ekv_snapshot_id\x18\x02 \x01(\x04\"\xb5\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x06 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fqueue_timeout_s\x18\x08 \x01(\x01\x12\x12\n\nblock_keys\x18\t \x01(\x0cJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xfb\x01\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_node\x18\x02 \x01(\t\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12(\n\tread_path\x18\x06 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x19\n\x11\x65st_read_finish_s\x18\x08 \x01(\x01\x12\x12\n\nhit_tokens\x18\t \x01(\x03\x12\x11\n\thit_bytes\x18\n \x01(\x03\"K\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\"\x12\n\x10\x43ompleteResponse\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"8\n\rDrainResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10routed_in_flight\x18\x02 \x01(\r\"\x14\n\x12\x43lusterViewRequest\"\xc8\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12#\n\x04load\x18\x05 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\"t\n\x13\x43lusterViewResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.dualpath.v1.NodeInfo\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0crouted_total\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\x95\x01\n\x0cKvEventBatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0bstored_keys\x18\x04 \x01(\x0c\x12\x16\n\x0estored_parents\x18\x05 \x01(\x0c\x12\x15\n\rstored_depths\x18\x06 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x07 \x01(\x0c\"\x19\n\nKvEventAck\x12\x0b\n\x03gap\x18\x01 \x01(\x08\"E\n\x0fKvSnapshotChunk\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"2\n\rKvSnapshotAck\x12\x11\n\tinstalled\x18\x01 \x01(\x08\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*R\n\x08ReadPath\x12\x19\n\x15READ_PATH_UNSPECIFIED\x10\x00\x12\x15\n\x11READ_PATH_PREFILL\x10\x01\x12\x14\n\x10READ_PATH_DECODE\x10\x02\x32\xbe\x04\n\tScheduler\x12G\n\x08Register\x12\x1c.dualpath.v1.RegisterRequest\x1a\x1d.dualpath.v1.RegisterResponse\x12\x43\n\nHeartbeats\x12\x16.dualpath.v1.Heartbeat\x1a\x19.dualpath.v1.HeartbeatAck(\x01\x30\x01\x12>\n\x05Route\x12\x19.dualpath.v1.RouteRequest\x1a\x1a.dualpath.v1.RouteResponse\x12G\n\x08\x43omplete\x12\x1c.dualpath.v1.CompleteRequest\x1a\x1d.dualpath.v1.CompleteResponse\x12>\n\x05\x44rain\x12\x19.dualpath.v1.DrainRequest\x1a\x1a.dualpath.v1.DrainResponse\x12P\n\x0b\x43lusterView\x12\x1f.dualpath.v1.ClusterViewRequest\x1a .dualpath.v1.ClusterViewResponse\x12>\n\x08KvEvents\x12\x19.dualpath.v1.KvEventBatch\x1a\x17.dualpath.v1.KvEventAck\x12H\n\nKvSnapshot\x12\x1c.dualpath.v1.KvSnapshotChunk\x1a\x1a.dualpath.v1.KvSnapshotAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dualpath.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1556
-  _globals['_ROLE']._serialized_end=1619
-  _globals['_READPATH']._serialized_start=1621
-  _globals['_READPATH']._serialized_end=1703
+  _globals['_ROLE']._serialized_start=1914
+  _globals['_ROLE']._serialized_end=1977
+  _globals['_READPATH']._serialized_start=1979
+  _globals['_READPATH']._serialized_end=2061
   _globals['_NODELOAD']._serialized_start=45
   _globals['_NODELOAD']._serialized_end=201
   _globals['_REGISTERREQUEST']._serialized_start=204
@@ -44,25 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEAT']._serialized_start=521
   _globals['_HEARTBEAT']._serialized_end=586
   _globals['_HEARTBEATACK']._serialized_start=588
-  _globals['_HEARTBEATACK']._serialized_end=617
-  _globals['_ROUTEREQUEST']._serialized_start=620
-  _globals['_ROUTEREQUEST']._serialized_end=808
-  _globals['_ROUTERESPONSE']._serialized_start=811
-  _globals['_ROUTERESPONSE']._serialized_end=1023
-  _globals['_COMPLETEREQUEST']._serialized_start=1025
-  _globals['_COMPLETEREQUEST']._serialized_end=1100
-  _globals['_COMPLETERESPONSE']._serialized_start=1102
-  _globals['_COMPLETERESPONSE']._serialized_end=1120
-  _globals['_DRAINREQUEST']._serialized_start=1122
-  _globals['_DRAINREQUEST']._serialized_end=1153
-  _globals['_DRAINRESPONSE']._serialized_start=1155
-  _globals['_DRAINRESPONSE']._serialized_end=1211
-  _globals['_CLUSTERVIEWREQUEST']._serialized_start=1213
-  _globals['_CLUSTERVIEWREQUEST']._serialized_end=1233
-  _globals['_NODEINFO']._serialized_start=1236
-  _globals['_NODEINFO']._serialized_end=1436
-  _globals['_CLUSTERVIEWRESPONSE']._serialized_start=1438
-  _globals['_CLUSTERVIEWRESPONSE']._serialized_end=1554
-  _globals['_SCHEDULER']._serialized_start=1706
-  _globals['_SCHEDULER']._serialized_end=2142
+  _globals['_HEARTBEATACK']._serialized_end=641
+  _globals['_ROUTEREQUEST']._serialized_start=644
+  _globals['_ROUTEREQUEST']._serialized_end=825
+  _globals['_ROUTERESPONSE']._serialized_start=828
+  _globals['_ROUTERESPONSE']._serialized_end=1079
+  _globals['_COMPLETEREQUEST']._serialized_start=1081
+  _globals['_COMPLETEREQUEST']._serialized_end=1156
+  _globals['_COMPLETERESPONSE']._serialized_start=1158
+  _globals['_COMPLETERESPONSE']._serialized_end=1176
+  _globals['_DRAINREQUEST']._serialized_start=1178
+  _globals['_DRAINREQUEST']._serialized_end=1209
+  _globals['_DRAINRESPONSE']._serialized_start=1211
+  _globals['_DRAINRESPONSE']._serialized_end=1267
+  _globals['_CLUSTERVIEWREQUEST']._serialized_start=1269
+  _globals['_CLUSTERVIEWREQUEST']._serialized_end=1289
+  _globals['_NODEINFO']._serialized_start=1292
+  _globals['_NODEINFO']._serialized_end=1492
+  _globals['_CLUSTERVIEWRESPONSE']._serialized_start=1494
+  _globals['_CLUSTERVIEWRESPONSE']._serialized_end=1610
+  _globals['_KVEVENTBATCH']._serialized_start=1613
+  _globals['_KVEVENTBATCH']._serialized_end=1762
+  _globals['_KVEVENTACK']._serialized_start=1764
+  _globals['_KVEVENTACK']._serialized_end=1789
+  _globals['_KVSNAPSHOTCHUNK']._serialized_start=1791
+  _globals['_KVSNAPSHOTCHUNK']._serialized_end=1860
+  _globals['_KVSNAPSHOTACK']._serialized_start=1862
+  _globals['_KVSNAPSHOTACK']._serialized_end=1912
+  _globals['_SCHEDULER']._serialized_start=2064
+  _globals['_SCHEDULER']._serialized_end=2638
 # @@protoc_insertion_point(module_scope)

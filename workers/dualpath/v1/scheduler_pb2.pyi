@@ -80,33 +80,33 @@ class Heartbeat(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "kv_snapshot_id")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    KV_SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    kv_snapshot_id: int
+    def __init__(self, known: _Optional[bool] = ..., kv_snapshot_id: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_tokens", "hit_tokens", "hit_bytes", "context_bytes", "max_new_tokens", "queue_timeout_s")
+    __slots__ = ("request_id", "session_id", "prompt_tokens", "context_bytes", "max_new_tokens", "queue_timeout_s", "block_keys")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    HIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_tokens: int
-    hit_tokens: int
-    hit_bytes: int
     context_bytes: int
     max_new_tokens: int
     queue_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_bytes: _Optional[int] = ..., context_bytes: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
+    block_keys: bytes
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_bytes: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., block_keys: _Optional[bytes] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("request_id", "prefill_node", "prefill_address", "decode_node", "decode_address", "read_path", "policy", "est_read_finish_s")
+    __slots__ = ("request_id", "prefill_node", "prefill_address", "decode_node", "decode_address", "read_path", "policy", "est_read_finish_s", "hit_tokens", "hit_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class RouteResponse(_message.Message):
     READ_PATH_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EST_READ_FINISH_S_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_node: str
     prefill_address: str
@@ -123,7 +125,9 @@ class RouteResponse(_message.Message):
     read_path: ReadPath
     policy: str
     est_read_finish_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., read_path: _Optional[_Union[ReadPath, str]] = ..., policy: _Optional[str] = ..., est_read_finish_s: _Optional[float] = ...) -> None: ...
+    hit_tokens: int
+    hit_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., read_path: _Optional[_Union[ReadPath, str]] = ..., policy: _Optional[str] = ..., est_read_finish_s: _Optional[float] = ..., hit_tokens: _Optional[int] = ..., hit_bytes: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("request_id", "generated_tokens", "ok")
@@ -188,3 +192,45 @@ class ClusterViewResponse(_message.Message):
     routed_total: int
     in_flight: int
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., routed_total: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("node_id", "epoch", "seq", "stored_keys", "stored_parents", "stored_depths", "removed_keys")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORED_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    STORED_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: str
+    seq: int
+    stored_keys: bytes
+    stored_parents: bytes
+    stored_depths: bytes
+    removed_keys: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., stored_keys: _Optional[bytes] = ..., stored_parents: _Optional[bytes] = ..., stored_depths: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ...) -> None: ...
+
+class KvEventAck(_message.Message):
+    __slots__ = ("gap",)
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    gap: bool
+    def __init__(self, gap: _Optional[bool] = ...) -> None: ...
+
+class KvSnapshotChunk(_message.Message):
+    __slots__ = ("node_id", "snapshot_id", "keys")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    snapshot_id: int
+    keys: bytes
+    def __init__(self, node_id: _Optional[str] = ..., snapshot_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class KvSnapshotAck(_message.Message):
+    __slots__ = ("installed", "blocks")
+    INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    installed: bool
+    blocks: int
+    def __init__(self, installed: _Optional[bool] = ..., blocks: _Optional[int] = ...) -> None: ...

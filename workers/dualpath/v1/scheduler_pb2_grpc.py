@@ -64,6 +64,16 @@ class SchedulerStub:
                 request_serializer=dualpath_dot_v1_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
                 response_deserializer=dualpath_dot_v1_dot_scheduler__pb2.ClusterViewResponse.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_unary(
+                '/dualpath.v1.Scheduler/KvEvents',
+                request_serializer=dualpath_dot_v1_dot_scheduler__pb2.KvEventBatch.SerializeToString,
+                response_deserializer=dualpath_dot_v1_dot_scheduler__pb2.KvEventAck.FromString,
+                _registered_method=True)
+        self.KvSnapshot = channel.stream_unary(
+                '/dualpath.v1.Scheduler/KvSnapshot',
+                request_serializer=dualpath_dot_v1_dot_scheduler__pb2.KvSnapshotChunk.SerializeToString,
+                response_deserializer=dualpath_dot_v1_dot_scheduler__pb2.KvSnapshotAck.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -105,6 +115,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KvSnapshot(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ClusterView,
                     request_deserializer=dualpath_dot_v1_dot_scheduler__pb2.ClusterViewRequest.FromString,
                     response_serializer=dualpath_dot_v1_dot_scheduler__pb2.ClusterViewResponse.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=dualpath_dot_v1_dot_scheduler__pb2.KvEventBatch.FromString,
+                    response_serializer=dualpath_dot_v1_dot_scheduler__pb2.KvEventAck.SerializeToString,
+            ),
+            'KvSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.KvSnapshot,
+                    request_deserializer=dualpath_dot_v1_dot_scheduler__pb2.KvSnapshotChunk.FromString,
+                    response_serializer=dualpath_dot_v1_dot_scheduler__pb2.KvSnapshotAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class Scheduler:
             '/dualpath.v1.Scheduler/ClusterView',
             dualpath_dot_v1_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
             dualpath_dot_v1_dot_scheduler__pb2.ClusterViewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dualpath.v1.Scheduler/KvEvents',
+            dualpath_dot_v1_dot_scheduler__pb2.KvEventBatch.SerializeToString,
+            dualpath_dot_v1_dot_scheduler__pb2.KvEventAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dualpath.v1.Scheduler/KvSnapshot',
+            dualpath_dot_v1_dot_scheduler__pb2.KvSnapshotChunk.SerializeToString,
+            dualpath_dot_v1_dot_scheduler__pb2.KvSnapshotAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,16 +8,18 @@ For one request:
 4. the prefill writes every new-token layer here (path P: every hit layer too), then `done`
    brings the last logits; the whole context's KV is then in this node's buffer;
 5. the sequence joins the continuous-batching decode loop; tokens stream back;
-6. before the last token is sent, the turn's new full blocks are written to the store, so the
-   agent's next turn hits them.
+6. before the last token is sent, the turn's new full blocks are written to the store and the
+   scheduler's block index has acknowledged their KV events, so the agent's next turn hits them.
 
-Hit KV that cannot be loaded (a bad or vanished block) is never used: the request is retried
-once with no hit (full recompute), logged and counted.
+Hit KV that cannot be loaded (a bad or vanished block: the scheduler's index may be stale) is
+never used: the hit ends at the first such block (path D shrinks it in place; path P retries
+with the prefix the prefill node could read) and the rest is recomputed, logged and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +35,7 @@ from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
 from dualpath.worker.kvstream import hit_notif, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
-from dualpath.worker.prefill import PATH_NAMES, HitUnavailable
+from dualpath.worker.prefill import PATH_NAMES, VALID_HIT_KEY, HitUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +115,35 @@ class DecodeRole:
         t0 = time.perf_counter()
         self.tokens_queued += len(prompt)
         try:
-            try:
-                with node.transfer.active():
-                    kv, logits, hit, path = await self._prefill(req, prompt, hit, path)
-            except (HitUnavailable, KVLoadError) as err:
-                metrics.FALLBACKS.labels("hit_unavailable").inc()
-                log.warning("request %s: hit KV unavailable (%s); recomputing the prompt", rid, err)
-                with node.transfer.active():
-                    kv, logits, hit, path = await self._prefill(req, prompt, 0, "none")
+            attempt = req
+            for retry in itertools.count(1):
+                try:
+                    with node.transfer.active():
+                        kv, logits, hit, path = await self._prefill(attempt, prompt, hit, path)
+                    break
+                except (HitUnavailable, KVLoadError) as err:
+                    if not hit:
+                        raise
+                    # the readable prefix, an upper bound the retry verifies again; strictly
+                    # shorter each time, so the loop ends at a full recompute at worst
+                    if isinstance(err, HitUnavailable):
+                        keep = err.valid_tokens
+                    else:
+                        keep = err.valid_blocks * model.block_tokens
+                    keep = min(keep - keep % model.block_tokens, hit - model.block_tokens)
+                    metrics.FALLBACKS.labels("hit_unavailable").inc()
+                    log.warning(
+                        "request %s: hit KV unavailable (%s); recomputing from token %d",
+                        rid,
+                        err,
+                        keep,
+                    )
+                    hit, path = keep, (path if keep else "none")
+                    # a fresh id: a late WRITE notification of the failed attempt must not
+                    # satisfy a wait of the retry
+                    attempt = wpb.GenerateRequest()
+                    attempt.CopyFrom(req)
+                    attempt.request_id = f"{rid}#{retry}"
         finally:
             self.tokens_queued -= len(prompt)
         prefill_s = time.perf_counter() - t0
@@ -205,6 +228,7 @@ class DecodeRole:
             log.warning("request %s: writing its KV blocks failed: %s", rid, err)
             return
         log.debug("request %s: %d new blocks stored", rid, len(written))
+        await node.flush_kv_events()  # the agent's next turn must find them in the index
 
     async def _prefill(
         self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str
@@ -298,7 +322,8 @@ class DecodeRole:
             return kv, logits, layout.hit_tokens, path
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise HitUnavailable(err.details()) from None
+                valid = dict(err.trailing_metadata() or ()).get(VALID_HIT_KEY, "0")
+                raise HitUnavailable(err.details(), int(valid) if valid.isdigit() else 0) from None
             raise PrefillFailed(
                 f"prefill worker {req.prefill_node} ({req.prefill_address}): "
                 f"{err.code().name}: {err.details()}"

@@ -77,7 +77,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         )
 
     async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
-        from dualpath.worker.prefill import HitUnavailable
+        from dualpath.worker.prefill import VALID_HIT_KEY, HitUnavailable
 
         n = self.node
         if n.prefill is None:
@@ -91,7 +91,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             with n.transfer.active():
                 await n.prefill.serve(request, context)
         except HitUnavailable as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hit KV unavailable: {err}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"hit KV unavailable: {err}",
+                trailing_metadata=((VALID_HIT_KEY, str(err.valid_tokens)),),
+            )
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:
@@ -146,6 +150,8 @@ class WorkerNode:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._agent = None
+        self.kv_events = None  # the store's KV events (with a scheduler), and their publisher
+        self._publisher = None
         self.port = 0
 
     # ---- start ----------------------------------------------------------------------------
@@ -171,7 +177,17 @@ class WorkerNode:
         )
         storage = self.opts.storage or spec.storage.path
         backend = self.opts.store_backend if spec.storage.use_nixl else "preadv"
-        self.store = KVStore(storage, spec.model, spec.storage.capacity_bytes, backend=backend)
+        if self.opts.scheduler:
+            from dualpath.kv.events import KvEventBuffer
+
+            self.kv_events = KvEventBuffer()
+        self.store = KVStore(
+            storage,
+            spec.model,
+            spec.storage.capacity_bytes,
+            backend=backend,
+            events=self.kv_events,
+        )
         self.read_queue = ReadQueue(
             self.store, spec.storage.read_concurrency, spec.storage.snic_gbps, name=self.node_id
         )
@@ -222,6 +238,7 @@ class WorkerNode:
 
     async def _register(self) -> None:
         from dualpath.scheduler.client import NodeAgent, Registration
+        from dualpath.scheduler.kv_events import KvEventPublisher
 
         spec = self.cfg.spec
         pool = spec.pool(self.role)
@@ -240,7 +257,17 @@ class WorkerNode:
             reg,
             self.load,
             interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
+        )
+        self._publisher = KvEventPublisher(
+            self._agent.stub, self.node_id, self.kv_events, self.store.scan_keys
         ).start()
+        self._agent.on_kv_snapshot = self._publisher.request_snapshot
+        self._agent.start()
+
+    async def flush_kv_events(self) -> None:
+        """Wait until the scheduler's block index has this store's events so far."""
+        if self._publisher is not None:
+            await self._publisher.flush()
 
     def load(self) -> spb.NodeLoad:
         if self.prefill is not None:
@@ -377,6 +404,8 @@ class WorkerNode:
         self.started = False
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._publisher is not None:
+            await self._publisher.stop()
         if self._agent is not None:
             await self._agent.stop()
         if self._server is not None:

@@ -32,8 +32,17 @@ log = logging.getLogger(__name__)
 PATH_NAMES = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
 
 
+# trailing metadata of a refused Prefill: the hit tokens that were readable (the valid prefix)
+VALID_HIT_KEY = "dualpath-valid-hit-tokens"
+
+
 class HitUnavailable(RuntimeError):
-    """The hit KV could not be read (bad or vanished blocks): the caller recomputes."""
+    """The hit KV could not be read (bad or vanished blocks): the caller recomputes from
+    `valid_tokens`, the hit prefix that was readable (0 when unknown)."""
+
+    def __init__(self, message: str, valid_tokens: int = 0) -> None:
+        super().__init__(message)
+        self.valid_tokens = valid_tokens
 
 
 @dataclass
@@ -92,7 +101,8 @@ class PrefillRole:
                 if valid < layout.hit_blocks:
                     raise HitUnavailable(
                         f"{layout.hit_blocks - valid} of {layout.hit_blocks} hit blocks "
-                        f"unreadable ({', '.join(f.reason for f in handle.failed)})"
+                        f"unreadable ({', '.join(f.reason for f in handle.failed)})",
+                        valid_tokens=valid * model.block_tokens,
                     )
                 source = handle
                 forward = stream_hit_layers(
@@ -139,7 +149,7 @@ class PrefillRole:
                         )
                     await asyncio.gather(*writes, *forward)
                 except KVLoadError as err:
-                    raise HitUnavailable(str(err)) from None
+                    raise HitUnavailable(str(err), err.valid_blocks * model.block_tokens) from None
                 finally:
                     for t in (*writes, *forward):
                         if not t.done():

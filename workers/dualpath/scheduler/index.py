@@ -1,0 +1,289 @@
+"""The scheduler's block index: which KV blocks the shared store holds (DESIGN section 3).
+
+Pure and synchronous (the gRPC servicer feeds it and exports its counters). It holds compact
+keys (`kv.ids.block_key`: 63 bits of a block id), fed by **KV events** from the processes that
+write and evict blocks: batches of stored blocks (key, parent key, depth in the chain) and
+removed keys, numbered per publisher (`node`, `epoch` = one process's run, `seq` from 1). A
+batch whose `seq` skips one is a **gap**: the index stops answering hits (0 = recompute, always
+safe) and asks one worker for a **snapshot**, a scan of the store, which replaces the set; the
+events applied while the snapshot was outstanding are replayed on top of it, so nothing that
+happened during the scan is lost. A fresh index (scheduler start) starts the same way, which is
+also how a store left by an earlier run or written by another cluster is found.
+
+A request's hit is the longest prefix of its block keys that is present. Block ids are chained,
+so a block is only reachable through its parent: the index keeps each stored block's parent
+link, counts present children per parent and records **holes** (an absent key with present
+children, e.g. a block evicted or found bad while its descendants stay). The lookup is then a
+binary search (O(log n) set probes, flat in the store's size) plus a check of the holes that fall
+inside the found prefix by their depth: the first one ends the prefix, which is bisected again
+below it. Only with more holes than prefix blocks is the prefix walked block by block. Keys
+found by a scan carry no links: they are taken as prefix-closed until an event links them, so
+a hole among them can cost one recompute (the reader verifies every block it loads) and never
+wrong output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+ROOT = 0  # parent key of a chain's first block (never a key: kv.ids.block_key)
+UNLINKED = -1  # parent unknown (a key found by a scan, or a write that did not say)
+_COUNT = 1 << 24  # _kids value: children count * _COUNT + the parent's depth
+_DEPTH = _COUNT - 1
+
+
+def pack_keys(values: Sequence[int]) -> bytes:
+    """Keys, parents or depths as little-endian int64s: their form in the scheduler contract."""
+    arr = array("q", values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def keys_view(data: bytes) -> Sequence[int]:
+    """Packed keys as a sequence without converting them all: a lookup reads the few it probes."""
+    if len(data) % 8:
+        raise ValueError(f"packed int64s must be a multiple of 8 bytes (got {len(data)})")
+    if sys.byteorder != "little":
+        return unpack_keys(data)
+    return memoryview(data).cast("q")
+
+
+def unpack_keys(data: bytes) -> list[int]:
+    if len(data) % 8:
+        raise ValueError(f"packed int64s must be a multiple of 8 bytes (got {len(data)})")
+    arr = array("q")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
+
+
+class Applied(Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # a retried batch already applied
+    GAP = "gap"  # applied, but a batch before it was lost: a rebuild was started
+
+
+@dataclass
+class _Snapshot:
+    snapshot_id: int
+    node: str
+    requested_s: float
+    log: dict[int, tuple[int, int] | None] = field(default_factory=dict)  # None: removed
+
+
+@dataclass
+class IndexCounters:
+    events_applied: int = 0  # stored + removed entries applied
+    gaps: int = 0
+    rebuilds: int = 0  # snapshots installed
+    lookups: int = 0
+    lookups_unready: int = 0  # answered 0 because the index was being rebuilt
+    hole_cuts: int = 0  # lookups whose prefix crossed a hole (bisected again before it)
+    walks: int = 0  # ... with more holes than prefix blocks (walked block by block)
+
+
+class BlockIndex:
+    """The set of block keys in the shared store, its chain links, and its recovery state."""
+
+    def __init__(self, snapshot_timeout_s: float = 30.0) -> None:
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self._parent: dict[int, int] = {}  # present key -> parent key (ROOT, UNLINKED)
+        self._kids: dict[int, int] = {}  # key (present or not) -> linked present children
+        self._holes: dict[int, int] = {}  # absent key with present children -> its depth
+        self._publishers: dict[str, tuple[str, int]] = {}  # node -> (epoch, last seq)
+        self._snapshot: _Snapshot | None = None
+        self._ids = itertools.count(1)
+        self.ready = False  # False until a snapshot is installed: hits are 0
+        self.counters = IndexCounters()
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parent
+
+    @property
+    def holes(self) -> int:
+        return len(self._holes)
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def apply(
+        self,
+        node: str,
+        epoch: str,
+        seq: int,
+        stored: Sequence[tuple[int, int, int]] = (),
+        removed: Sequence[int] = (),
+    ) -> Applied:
+        """One batch from publisher (`node`, `epoch`): stored (key, parent, depth), removed keys.
+
+        A retried batch (seq already seen) is ignored; a skipped seq starts a rebuild. The first
+        batch of an epoch may have any seq: the ones before it were acknowledged by an earlier
+        scheduler, so they happened before this index asked for its snapshot.
+        """
+        if seq < 1:
+            raise ValueError(f"seq must be >= 1 (got {seq})")
+        result = Applied.APPLIED
+        last = self._publishers.get(node)
+        if last is not None and last[0] == epoch:
+            if seq <= last[1]:
+                return Applied.DUPLICATE
+            if seq > last[1] + 1:
+                result = Applied.GAP
+                self.counters.gaps += 1
+                self.invalidate()
+        self._publishers[node] = (epoch, seq)
+        log = self._snapshot.log if self._snapshot is not None else None
+        for key, parent, depth in stored:
+            self._store(key, parent, depth)
+            if log is not None:
+                log[key] = (parent, depth)
+        for key in removed:
+            self._remove(key)
+            if log is not None:
+                log[key] = None
+        self.counters.events_applied += len(stored) + len(removed)
+        return result
+
+    def forget_publisher(self, node: str) -> None:
+        self._publishers.pop(node, None)
+
+    def _store(self, key: int, parent: int, depth: int) -> None:
+        old = self._parent.get(key)
+        if old is not None:
+            if old == UNLINKED and parent != UNLINKED:  # an event links a scanned key
+                self._parent[key] = parent
+                self._link(parent, depth)
+            return  # links never change: the id is a hash of the parent
+        self._parent[key] = parent
+        self._holes.pop(key, None)
+        if parent != UNLINKED:
+            self._link(parent, depth)
+
+    def _link(self, parent: int, depth: int) -> None:
+        if parent == ROOT or depth < 1 or depth > _DEPTH:
+            return
+        v = self._kids.get(parent)
+        self._kids[parent] = v + _COUNT if v else _COUNT | (depth - 1)
+        if parent not in self._parent:
+            self._holes[parent] = depth - 1
+
+    def _remove(self, key: int) -> None:
+        parent = self._parent.pop(key, None)
+        if parent is None:
+            return
+        if parent > ROOT:
+            v = self._kids.get(parent)
+            if v is not None:
+                v -= _COUNT
+                if v >= _COUNT:
+                    self._kids[parent] = v
+                else:
+                    del self._kids[parent]
+                    self._holes.pop(parent, None)
+        v = self._kids.get(key)
+        if v:
+            self._holes[key] = v & _DEPTH
+
+    # ---- rebuild ---------------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Stop answering hits until a snapshot is installed (a gap, or told to)."""
+        self.ready = False
+
+    def snapshot_wanted(self, node: str, now_s: float) -> int:
+        """A snapshot id to ask `node` for (its next heartbeat ack carries it), or 0.
+
+        One request is outstanding at a time; one not answered within `snapshot_timeout_s`
+        (the worker died mid-scan) is asked of the next node that heartbeats.
+        """
+        if self.ready:
+            return 0
+        snap = self._snapshot
+        if snap is not None and now_s - snap.requested_s < self.snapshot_timeout_s:
+            return 0
+        log = snap.log if snap is not None else {}  # from the first request on: a superset
+        self._snapshot = _Snapshot(next(self._ids), node, now_s, log)
+        return self._snapshot.snapshot_id
+
+    @property
+    def pending_snapshot(self) -> tuple[int, str] | None:
+        snap = self._snapshot
+        return None if snap is None else (snap.snapshot_id, snap.node)
+
+    def install_snapshot(self, snapshot_id: int, keys: Sequence[int]) -> bool:
+        """Replace the set with a scan's keys, replay what happened since it was asked for,
+        and answer hits again. False (nothing changed) for an id no longer awaited."""
+        snap = self._snapshot
+        if snap is None or snap.snapshot_id != snapshot_id:
+            return False
+        self._parent = dict.fromkeys(keys, UNLINKED)
+        self._kids = {}
+        self._holes = {}
+        for key, op in snap.log.items():
+            if op is None:
+                self._remove(key)
+            else:
+                self._store(key, *op)
+        self._snapshot = None
+        self.ready = True
+        self.counters.rebuilds += 1
+        return True
+
+    # ---- lookups ---------------------------------------------------------------------------
+
+    def hit_blocks(self, keys: Sequence[int], limit: int | None = None) -> int:
+        """Length of the longest present prefix of `keys` (at most `limit`); 0 while the index
+        is being rebuilt."""
+        c = self.counters
+        c.lookups += 1
+        if not self.ready:
+            c.lookups_unready += 1
+            return 0
+        n = len(keys) if limit is None else min(len(keys), limit)
+        b = self._boundary(keys, n)
+        holes = self._holes
+        if b and holes:
+            if len(holes) < b:  # the first hole inside the prefix ends it: bisect before it
+                first = min((d for h, d in holes.items() if d < b and keys[d] == h), default=b)
+                if first < b:
+                    c.hole_cuts += 1
+                    b = self._boundary(keys, first)  # no hole lies below `first`
+            elif not holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
+                c.walks += 1
+                present = self._parent
+                for i in range(b):
+                    if keys[i] not in present:
+                        return i
+        return b
+
+    def _boundary(self, keys: Sequence[int], n: int) -> int:
+        """The end of the present run that starts keys[:n], if presence is monotone there."""
+        present = self._parent
+        if n <= 0 or keys[0] not in present:
+            return 0
+        if keys[n - 1] in present:
+            return n
+        lo, hi = 0, n - 1  # keys[lo] present, keys[hi] absent; a turn's new blocks sit at
+        step = 1  # the end, so gallop back from it first, then bisect
+        while hi - step > lo:
+            if keys[hi - step] in present:
+                lo = hi - step
+                break
+            hi -= step
+            step <<= 1
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if keys[mid] in present:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
