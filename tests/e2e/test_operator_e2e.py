@@ -178,6 +178,9 @@ def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operat
                     ("deployment", "frontend"),
                     ("dualpathpool", "prefill"),
                     ("dualpathpool", "decode"),
+                    ("networkpolicy", "scheduler"),
+                    ("networkpolicy", "workers"),
+                    ("networkpolicy", "frontend"),
                 ]
             ),
         )
@@ -314,6 +317,7 @@ def test_5_frontend_replicas_zero_prunes_the_frontend(namespace, operator, show_
             lambda: (
                 get_json(KUBECTL, "deployment", f"{NAME}-frontend", namespace) is None
                 and get_json(KUBECTL, "service", f"{NAME}-frontend", namespace) is None
+                and get_json(KUBECTL, "networkpolicy", f"{NAME}-frontend", namespace) is None
             ),
         )
     with step("status drops frontendEndpoint"):

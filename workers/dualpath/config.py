@@ -11,6 +11,7 @@ Units: `_gbps` fields are gigabits per second (network convention: a "400 Gbps S
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 from enum import Enum
@@ -556,6 +557,49 @@ class RdmaSpec(_Model):
         return self
 
 
+class PolicyPeerSpec(_Model):
+    """Pods allowed to reach the frontend: those matching podSelector in the namespaces matching
+    namespaceSelector."""
+
+    namespace_selector: dict[str, str] | None = None
+    """matchLabels of the namespaces, e.g. {kubernetes.io/metadata.name: ingress-nginx}; {}:
+    every namespace; unset: the cluster's own namespace."""
+    pod_selector: dict[str, str] = Field(default_factory=dict)
+    """matchLabels of the pods in those namespaces; {}: every pod."""
+
+
+class NetworkPoliciesSpec(_Model):
+    """Kubernetes NetworkPolicies of the cluster's pods (ingress only; egress stays open)."""
+
+    enabled: bool = True
+    """Render NetworkPolicies: the scheduler reachable only from this cluster's frontend and
+    workers, the workers only from the scheduler, the frontend and each other, the frontend
+    from frontendFrom and frontendFromCidrs, metrics from monitoringNamespaceSelector."""
+    frontend_from: list[PolicyPeerSpec] = Field(default_factory=list, max_length=32)
+    """Pods that may call the frontend's HTTP API; empty: every pod of the cluster's
+    namespace (add your ingress controller's namespace here, or CIDRs below)."""
+    frontend_from_cidrs: list[str] = Field(default_factory=list, max_length=32)
+    """IP ranges that may call the frontend's HTTP API, e.g. a load balancer's source range
+    (0.0.0.0/0: anyone that can reach the Service)."""
+    monitoring_namespace_selector: dict[str, str] = Field(
+        default_factory=lambda: {"kubernetes.io/metadata.name": "monitoring"}
+    )
+    """matchLabels of the namespaces whose pods may scrape the metrics ports (and the
+    frontend's /metrics); {}: every namespace."""
+
+    @field_validator("frontend_from_cidrs")
+    @classmethod
+    def _cidrs(cls, cidrs: list[str]) -> list[str]:
+        for cidr in cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"network.policies.frontendFromCidrs: {cidr!r} is not a CIDR such as 10.0.0.0/8"
+                ) from None
+        return cidrs
+
+
 class NetworkSpec(_Model):
     """Compute and storage networks of the worker pods."""
 
@@ -567,6 +611,8 @@ class NetworkSpec(_Model):
     """InfiniBand QoS: service levels, traffic classes, VL arbitration."""
     cnic_gbps: float = Field(default=0.0, ge=0.0)
     """Compute NIC bandwidth per node for local emulation and the simulator; 0: uncapped."""
+    policies: NetworkPoliciesSpec = NetworkPoliciesSpec()
+    """NetworkPolicies: who may reach the scheduler, the workers, the frontend and metrics."""
 
 
 class PolicyName(str, Enum):
@@ -608,6 +654,19 @@ class SchedulerSpec(_Model):
         return port
 
 
+class FrontendAuthSpec(_Model):
+    """API keys of the frontend: `Authorization: Bearer <key>` on every /v1 call."""
+
+    secret_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """Secret (in the cluster's namespace) holding the API keys: each data entry a key, or
+    several keys one per line; mounted into the frontend pods, rotated without a restart.
+    Unset: the API is open (to whom the NetworkPolicy lets in)."""
+    requests_per_second: float = Field(default=0.0, ge=0.0)
+    """Per-key rate limit (a token bucket; over it: 429 with Retry-After); 0: unlimited."""
+    burst: int = Field(default=0, ge=0, le=100_000)
+    """Requests a key may make at once above the rate; 0: one second's worth (at least 1)."""
+
+
 class FrontendSpec(_Model):
     """The OpenAI-compatible HTTP frontend."""
 
@@ -623,6 +682,8 @@ class FrontendSpec(_Model):
     """Longest prompt plus completion accepted."""
     max_new_tokens: int = Field(default=1024, ge=1)
     """Longest completion; at most maxContextTokens."""
+    auth: FrontendAuthSpec = FrontendAuthSpec()
+    """API keys and per-key rate limits; unset secretName: no keys required."""
 
     @field_validator("port")
     @classmethod
@@ -653,6 +714,10 @@ class WorkersSpec(_Model):
     transferDeadlineSeconds."""
     kv_cache_tokens: int = Field(default=65536, ge=16, le=1 << 26)
     """Decode: tokens of the paged KV cache shared by the decode batch."""
+    run_as_non_root: bool | None = None
+    """Run worker containers as uid 65532; unset: non-root unless they request RDMA devices
+    (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for
+    root. Non-root with RDMA needs the runtime's memlock ulimit raised (checked at start-up)."""
 
     @model_validator(mode="after")
     def _request_covers_transfer(self) -> WorkersSpec:

@@ -69,6 +69,7 @@ class Placement:
     storage: str | None = None  # the KV volume's mount point; only for STORAGE_USERS
     node_id: str = ""  # workers: the id the scheduler knows the node by
     advertise: str = ""  # workers: the host peers reach it at (with the bound port)
+    api_keys: str = ""  # frontend: file or directory of API keys ("": the API is open)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ def process_command(
         args = ["scheduler", *served, "--metrics-port", str(at.metrics_port)]
     elif comp is Component.FRONTEND:
         args = ["frontend", *served, "--scheduler", at.scheduler]
+        if at.api_keys:
+            args += ["--api-keys", at.api_keys]
     else:
         if not at.node_id or not at.advertise:
             raise ValueError(f"{comp.value}: a worker needs its node id and advertised host")

@@ -13,6 +13,7 @@ from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
 
 from ..scaling import SYNCED_REPLICAS
 from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
+from .netpol import network_policies
 from .qos import opensm_qos_policy, qos_config_map, qos_env
 from .workloads import (
     frontend_objects,
@@ -33,6 +34,7 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
     ("apps/v1", "StatefulSet"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     (API_VERSION_FULL, POOL_KIND),
 )
 
@@ -67,6 +69,7 @@ def pool(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
 def render(cfg: ClusterConfig, owner: dict | None = None) -> list[dict[str, Any]]:
     """Every child of one DualPathCluster, in apply order."""
     out: list[dict[str, Any]] = [config_map(cfg, owner), qos_config_map(cfg, owner)]
+    out += network_policies(cfg, owner)  # before the pods: none runs unprotected
     out += scheduler_objects(cfg, owner)
     for role in (Role.PREFILL, Role.DECODE):
         out += [

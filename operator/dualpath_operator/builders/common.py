@@ -16,6 +16,7 @@ FRONTEND_PORT_NAME = "http"
 CONFIG_MOUNT = "/etc/dualpath"
 CONFIG_FILE = f"{CONFIG_MOUNT}/cluster.yaml"
 KV_MOUNT = "/var/lib/dualpath/kv"
+API_KEYS_MOUNT = "/etc/dualpath-api-keys"
 
 
 def child_name(cfg: ClusterConfig, suffix: str) -> str:

@@ -21,6 +21,7 @@ from dualpath.process import (
 )
 
 from .common import (
+    API_KEYS_MOUNT,
     CONFIG_FILE,
     CONFIG_HASH_KEY,
     CONFIG_MOUNT,
@@ -32,6 +33,10 @@ from .common import (
 from .qos import qos_env
 
 SHM_SIZE = "16Gi"
+TMP_SIZE = "1Gi"
+# The root filesystem is read-only: /tmp (scratch of Python, UCX, NIXL) is the writable mount.
+TMP_MOUNT = "/tmp"
+NON_ROOT_UID = 65532
 PROBE_PERIOD_SECONDS = 5
 # /livez answers within 2 s (it checks the event loop); the probe waits a little longer.
 LIVENESS_TIMEOUT_SECONDS = 5
@@ -46,6 +51,49 @@ def _downward_env() -> list[dict[str, Any]]:
 
 def _config_volume(cfg: ClusterConfig) -> dict[str, Any]:
     return {"name": "config", "configMap": {"name": child_name(cfg, "config")}}
+
+
+def worker_runs_as_root(cfg: ClusterConfig) -> bool:
+    """Root only where RDMA needs it: a container's added IPC_LOCK (pinning the registered KV
+    buffer beyond the memlock limit) takes effect for root only (Kubernetes sets no ambient
+    capabilities); `spec.workers.runAsNonRoot` overrides."""
+    forced = cfg.spec.workers.run_as_non_root
+    return (not forced) if forced is not None else cfg.spec.network.rdma.count > 0
+
+
+def container_security(non_root: bool, add: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every DualPath container: no capability but `add`, no privilege escalation, a read-only
+    root filesystem (writable: /tmp, /dev/shm, the storage volume)."""
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if add:
+        caps["add"] = list(add)
+    sc: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": caps,
+    }
+    if non_root:
+        sc.update(runAsNonRoot=True, runAsUser=NON_ROOT_UID, runAsGroup=NON_ROOT_UID)
+    else:
+        sc.update(runAsNonRoot=False, runAsUser=0)
+    return sc
+
+
+def pod_security() -> dict[str, Any]:
+    """Pod-level hardening of every DualPath pod: the runtime's seccomp profile, and no
+    service-account token (no DualPath process calls the Kubernetes API)."""
+    return {
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+    }
+
+
+def _tmp_volume() -> dict[str, Any]:
+    return {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}
+
+
+def _tmp_mount() -> dict[str, Any]:
+    return {"name": "tmp", "mountPath": TMP_MOUNT}
 
 
 def _probe(path: str, port: int | str, **extra: int) -> dict[str, Any]:
@@ -97,6 +145,9 @@ def pod_placement(cfg: ClusterConfig, component: Component | str) -> Placement:
         storage=cfg.spec.storage.path if uses_storage(comp) else None,
         node_id="$(POD_NAME)" if comp.role else "",
         advertise=f"$(POD_NAME).{child_name(cfg, comp.value)}" if comp.role else "",
+        api_keys=API_KEYS_MOUNT
+        if comp is Component.FRONTEND and cfg.spec.frontend.auth.secret_name
+        else "",
     )
 
 
@@ -113,6 +164,20 @@ def _storage_mounts(cfg: ClusterConfig, component: Component) -> list[dict[str, 
     """The storage volume, mounted where the process's placement says (if it uses storage)."""
     path = pod_placement(cfg, component).storage
     return [{"name": "kv-store", "mountPath": path}] if path else []
+
+
+def _api_keys_mounts(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    """The frontend's API-key Secret (`spec.frontend.auth.secretName`), where its placement
+    says; the kubelet updates the files in place, the frontend re-reads them."""
+    path = pod_placement(cfg, component).api_keys
+    return [{"name": "api-keys", "mountPath": path, "readOnly": True}] if path else []
+
+
+def _api_keys_volumes(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    if not _api_keys_mounts(cfg, component):
+        return []
+    secret = {"secretName": cfg.spec.frontend.auth.secret_name}
+    return [{"name": "api-keys", "secret": secret}]
 
 
 def _storage_volume(cfg: ClusterConfig) -> dict[str, Any]:
@@ -149,16 +214,18 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         ],
         "resources": {k: v for k, v in (("limits", limits), ("requests", requests)) if v},
         # RDMA needs locked memory; the start-up check reports a low memlock as a condition.
-        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+        "securityContext": container_security(not worker_runs_as_root(cfg), ("IPC_LOCK",)),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            _tmp_mount(),
             *_storage_mounts(cfg, comp),
         ],
         **worker_probes(cfg),
     }
     container["env"] += qos_env(net)
     pod_spec: dict[str, Any] = {
+        **pod_security(),
         "containers": [container],
         # Drain: in-flight reads, relays and handoffs finish (spec.workers.drainSeconds), then
         # the process stops its parts; the kubelet's SIGKILL comes only after both.
@@ -166,6 +233,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         "volumes": [
             _config_volume(cfg),
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
+            _tmp_volume(),
             *([_storage_volume(cfg)] if _storage_mounts(cfg, comp) else []),
         ],
     }
@@ -212,14 +280,12 @@ def control_pod_template(
         "ports": ports,
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            _tmp_mount(),
+            *_api_keys_mounts(cfg, component),
             *_storage_mounts(cfg, component),
         ],
         **probes,
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-        },
+        "securityContext": container_security(non_root=True),
     }
     return {
         "metadata": {
@@ -227,9 +293,12 @@ def control_pod_template(
             "annotations": {CONFIG_HASH_KEY: cfg.config_hash},
         },
         "spec": {
+            **pod_security(),
             "containers": [container],
             "volumes": [
                 _config_volume(cfg),
+                _tmp_volume(),
+                *_api_keys_volumes(cfg, component),
                 *([_storage_volume(cfg)] if _storage_mounts(cfg, component) else []),
             ],
         },

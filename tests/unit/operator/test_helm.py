@@ -86,6 +86,7 @@ def test_rbac_allows_pruning_every_child_kind(tools):
         "Deployment": "deployments",
         "StatefulSet": "statefulsets",
         "PodDisruptionBudget": "poddisruptionbudgets",
+        "NetworkPolicy": "networkpolicies",
         "DualPathPool": "dualpathpools",
     }
     for api_version, kind in CHILD_KINDS:

@@ -61,6 +61,7 @@ def test_first_pass_creates_children_and_reports_progressing(api):
         "ConfigMap",
         "Deployment",
         "DualPathPool",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "Service",
         "StatefulSet",
@@ -252,11 +253,27 @@ def test_frontend_replicas_zero_prunes_the_frontend_and_its_status(api):
     api.create(foreign)
     api.user_patch_spec(*DPC, "agents", {"frontend": {"replicas": 0}})
     result = reconcile(api, "default", "agents")
-    assert sorted(result.pruned) == ["Deployment/agents-frontend", "Service/agents-frontend"]
+    assert sorted(result.pruned) == [
+        "Deployment/agents-frontend",
+        "NetworkPolicy/agents-frontend",
+        "Service/agents-frontend",
+    ]
     assert ("apps/v1", "Deployment", "default", "agents-frontend") not in api.objects
     assert ("v1", "Service", "default", "agents-frontend") not in api.objects
     assert ("v1", "Service", "default", "agents-frontend-other") in api.objects
     assert "frontendEndpoint" not in cr(api)["status"]
+
+
+def test_switching_network_policies_off_prunes_them(api):
+    reconcile(api, "default", "agents")
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "default", "agents-workers") in api.objects
+    api.user_patch_spec(*DPC, "agents", {"network": {"policies": {"enabled": False}}})
+    result = reconcile(api, "default", "agents")
+    assert sorted(p for p in result.pruned if p.startswith("NetworkPolicy/")) == [
+        "NetworkPolicy/agents-frontend",
+        "NetworkPolicy/agents-scheduler",
+        "NetworkPolicy/agents-workers",
+    ]
 
 
 def test_a_deleted_cluster_is_left_to_garbage_collection(api):

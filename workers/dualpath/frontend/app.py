@@ -1,12 +1,15 @@
 """FastAPI app factory: `/v1/completions`, `/v1/chat/completions` (SSE or not), `/health`,
 `/metrics`. The lifespan owns the backend (its gRPC clients): started on startup, closed on
 shutdown. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+With API keys (`frontend.auth`, `--api-keys`), every /v1 call needs `Authorization: Bearer`
+(401 without a current key, 429 over the key's rate); `/health` and `/metrics` stay open.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -27,6 +30,7 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dualpath.config import ClusterConfig
+from dualpath.frontend.auth import ApiKeys, TokenBuckets
 from dualpath.frontend.backend import Backend, BackendError, Finished, Routed, Tokens, TurnRequest
 from dualpath.frontend.tokenizer import ByteTokenizer, StreamDecoder
 
@@ -51,7 +55,7 @@ class ApiError(Exception):
             type_,
         )
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = {
             "error": {
                 "message": self.message,
@@ -60,7 +64,18 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+class AuthError(ApiError):
+    """A refused API key or an exhausted rate limit: the response carries `headers`."""
+
+    def __init__(self, status: int, message: str, code: str, type_: str, headers: dict) -> None:
+        super().__init__(status, message, code=code, type_=type_)
+        self.headers = headers
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return super().response({**self.headers, **(headers or {})})
 
 
 class _Req(BaseModel):
@@ -138,6 +153,12 @@ class _Metrics:
             registry=registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
+        self.auth_refused = Counter(
+            "dualpath_frontend_auth_refused_total",
+            "requests refused by API-key checks, by reason (missing, invalid, rate_limited)",
+            ["reason"],
+            registry=registry,
+        )
         self.latency = Histogram(
             "dualpath_frontend_request_seconds",
             "request latency",
@@ -147,10 +168,21 @@ class _Metrics:
 
 
 def create_app(
-    config: ClusterConfig, backend: Backend, registry: CollectorRegistry | None = None
+    config: ClusterConfig,
+    backend: Backend,
+    registry: CollectorRegistry | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
+    """`api_keys`: the keys every /v1 call must present (`Authorization: Bearer`); None: the
+    API is open. Per-key rate limits come from `spec.frontend.auth`."""
     spec = config.spec
     fe = spec.frontend
+    auth = fe.auth
+    buckets = (
+        TokenBuckets(auth.requests_per_second, auth.burst)
+        if api_keys is not None and auth.requests_per_second > 0
+        else None
+    )
     tok = ByteTokenizer(spec.model.vocab_size)
     registry = registry or CollectorRegistry()
     metrics = _Metrics(registry)
@@ -170,6 +202,42 @@ def create_app(
     app.state.backend = backend
     app.state.sessions = sessions
     app.state.tokenizer = tok
+
+    def authorize(request: Request) -> None:
+        """Raises AuthError unless the request carries a current key within its rate."""
+        if api_keys is None:
+            return
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        presented = presented.strip()
+        if scheme.lower() != "bearer" or not presented:
+            metrics.auth_refused.labels("missing").inc()
+            raise AuthError(
+                401,
+                "no API key: send it as 'Authorization: Bearer <key>'",
+                code="missing_api_key",
+                type_="invalid_request_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        kid = api_keys.match(presented)
+        if kid is None:
+            metrics.auth_refused.labels("invalid").inc()
+            raise AuthError(
+                401,
+                "invalid API key",
+                code="invalid_api_key",
+                type_="authentication_error",
+                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+        if buckets is not None and (wait := buckets.take(kid)) > 0:
+            metrics.auth_refused.labels("rate_limited").inc()
+            raise AuthError(
+                429,
+                f"rate limit of {auth.requests_per_second:g} requests/s for this key exceeded "
+                f"(spec.frontend.auth.requestsPerSecond); retry in {wait:.2f} s",
+                code="rate_limit_exceeded",
+                type_="rate_limit_error",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
 
     async def read_json(request: Request) -> Any:
         declared = request.headers.get("content-length")
@@ -326,6 +394,7 @@ def create_app(
     async def serve(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
+            authorize(request)
             obj = await read_json(request)
             req = parse(ChatRequest if chat else CompletionRequest, obj)
             if chat:
@@ -442,7 +511,12 @@ def create_app(
         return await serve(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        try:
+            authorize(request)
+        except ApiError as err:
+            metrics.requests.labels("models", str(err.status)).inc()
+            return err.response()
         return {
             "object": "list",
             "data": [{"id": model_name, "object": "model", "owned_by": "dualpath"}],

@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scheduler host:port (default: 127.0.0.1:spec.scheduler.port)",
     )
     parser.add_argument(
+        "--api-keys",
+        default=None,
+        help="file (one key a line) or directory (a mounted Secret) of API keys every /v1 call "
+        "must present as 'Authorization: Bearer <key>'; re-read when it changes (default: "
+        "$DUALPATH_API_KEYS_FILE; unset: the API is open)",
+    )
+    parser.add_argument(
         "--fake",
         action="store_true",
         help="serve from the in-memory fake backend (no cluster; for trying the API)",
@@ -30,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dualpath.frontend.app import create_app
+    from dualpath.frontend.auth import ApiKeys, ApiKeysError, default_keys_path
     from dualpath.frontend.backend import FakeBackend
 
     cfg = config.load(args.file) if args.file else config.local_default()
@@ -41,7 +49,16 @@ def run(args: argparse.Namespace) -> int:
         sched = args.scheduler or f"127.0.0.1:{cfg.spec.scheduler.port}"
         backend = GrpcBackend(cfg, sched)
     port = args.port if args.port is not None else cfg.spec.frontend.port
-    app = create_app(cfg, backend)
+    keys_path = args.api_keys or default_keys_path()
+    try:
+        keys = ApiKeys(keys_path) if keys_path else None
+    except ApiKeysError as err:
+        raise SystemExit(f"dualpath frontend: {err}") from None
+    if keys is None:
+        log.warning("frontend: no API keys (--api-keys): the HTTP API is open")
+    else:
+        log.info("frontend: %d API keys from %s", len(keys), keys_path)
+    app = create_app(cfg, backend, api_keys=keys)
     print(f"READY frontend http={port}", flush=True)
     uvicorn.run(app, host=args.host, port=port, log_level="warning", access_log=False)
     return 0

@@ -1,8 +1,9 @@
 """Start-up checks of a worker's RDMA environment (DESIGN section 9): report, never degrade
 silently.
 
-`IPC_LOCK` alone does not raise the memlock limit of a non-root container: registering the
-KV buffer with the NIC then fails or NCCL silently falls back to TCP. A private, small
+`IPC_LOCK` alone does not raise the memlock limit of a non-root container (Kubernetes grants
+no ambient capabilities, so the added capability is not effective for a non-root uid):
+registering the KV buffer with the NIC then fails or NCCL silently falls back to TCP. A private, small
 `/dev/shm` starves UCX's shared-memory transport and NCCL. Across pods on InfiniBand UCX needs
 `UCX_IB_ADDR_TYPE` set right. Each check is a pure function of what it reads, so it is tested
 without the host having the problem; `run_checks` logs each failure and exports
@@ -37,16 +38,42 @@ class Check:
     message: str
 
 
-def check_memlock(soft_limit: int, buffer_bytes: int, rdma_devices: int) -> Check:
+IPC_LOCK_BIT = 14  # CAP_IPC_LOCK in the capability sets of /proc/self/status
+
+
+def check_memlock(
+    soft_limit: int, buffer_bytes: int, rdma_devices: int, uid: int = 0, ipc_lock: bool = False
+) -> Check:
+    """Locking the KV buffer needs a memlock limit covering it, or an effective CAP_IPC_LOCK
+    (which a container's added IPC_LOCK only gives to root: no ambient capabilities)."""
     if rdma_devices == 0 or soft_limit == resource.RLIM_INFINITY or soft_limit >= buffer_bytes:
         return Check("memlock", True, "memlock limit covers the KV buffer")
+    if ipc_lock:
+        return Check("memlock", True, "CAP_IPC_LOCK is effective: the memlock limit is waived")
+    who = (
+        f"running as uid {uid} (not root), so an added IPC_LOCK capability is not effective"
+        if uid != 0
+        else "CAP_IPC_LOCK is not effective (add IPC_LOCK to the container)"
+    )
     return Check(
         "memlock",
         False,
-        f"memlock limit {soft_limit} bytes is below the {buffer_bytes}-byte KV buffer: RDMA "
-        "registration may fail and NCCL fall back to TCP. IPC_LOCK alone does not raise it for "
-        "non-root containers: raise the runtime's memlock ulimit (e.g. unlimited)",
+        f"memlock limit {soft_limit} bytes is below the {buffer_bytes}-byte KV buffer and {who}: "
+        "RDMA registration may fail and NCCL fall back to TCP. Raise the runtime's memlock "
+        "ulimit (e.g. unlimited) or run the workers as root (spec.workers.runAsNonRoot: false)",
     )
+
+
+def has_effective_ipc_lock(status_path: str = "/proc/self/status") -> bool:
+    """CAP_IPC_LOCK in this process's effective capability set (Linux; False elsewhere)."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> IPC_LOCK_BIT & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def check_shm(shm_bytes: int | None) -> Check:
@@ -86,7 +113,11 @@ def run_checks(spec: ClusterSpec, role: Role) -> list[Check]:
     rdma = spec.network.rdma.count
     checks = [
         check_memlock(
-            resource.getrlimit(resource.RLIMIT_MEMLOCK)[0], spec.pool(role).kv_buffer_bytes, rdma
+            resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
+            spec.pool(role).kv_buffer_bytes,
+            rdma,
+            uid=os.geteuid(),
+            ipc_lock=has_effective_ipc_lock(),
         ),
         check_shm(shm_size()),
         check_ib_addr_type(dict(os.environ), rdma, spec.network.rdma.ib_addr_type),
