@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import sys
 from array import array
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -97,6 +98,10 @@ class BlockIndex:
         self._parent: dict[int, int] = {}  # present key -> parent key (ROOT, UNLINKED)
         self._kids: dict[int, int] = {}  # key (present or not) -> linked present children
         self._holes: dict[int, int] = {}  # absent key with present children -> its depth
+        # the same holes by depth, and their distinct depths sorted: a lookup checks only the
+        # depths inside its prefix, one set probe each (no pass over every hole)
+        self._holes_at: dict[int, set[int]] = {}
+        self._hole_depths: list[int] = []
         self._publishers: dict[str, tuple[str, int]] = {}  # node -> (epoch, last seq)
         self._snapshot: _Snapshot | None = None
         self._ids = itertools.count(1)
@@ -164,7 +169,7 @@ class BlockIndex:
                 self._link(parent, depth)
             return  # links never change: the id is a hash of the parent
         self._parent[key] = parent
-        self._holes.pop(key, None)
+        self._drop_hole(key)
         if parent != UNLINKED:
             self._link(parent, depth)
 
@@ -174,7 +179,7 @@ class BlockIndex:
         v = self._kids.get(parent)
         self._kids[parent] = v + _COUNT if v else _COUNT | (depth - 1)
         if parent not in self._parent:
-            self._holes[parent] = depth - 1
+            self._add_hole(parent, depth - 1)
 
     def _remove(self, key: int) -> None:
         parent = self._parent.pop(key, None)
@@ -188,10 +193,30 @@ class BlockIndex:
                     self._kids[parent] = v
                 else:
                     del self._kids[parent]
-                    self._holes.pop(parent, None)
+                    self._drop_hole(parent)
         v = self._kids.get(key)
         if v:
-            self._holes[key] = v & _DEPTH
+            self._add_hole(key, v & _DEPTH)
+
+    def _add_hole(self, key: int, depth: int) -> None:
+        if key in self._holes:
+            return
+        self._holes[key] = depth
+        at = self._holes_at.get(depth)
+        if at is None:
+            self._holes_at[depth] = at = set()
+            insort(self._hole_depths, depth)
+        at.add(key)
+
+    def _drop_hole(self, key: int) -> None:
+        depth = self._holes.pop(key, None)
+        if depth is None:
+            return
+        at = self._holes_at[depth]
+        at.discard(key)
+        if not at:
+            del self._holes_at[depth]
+            del self._hole_depths[bisect_left(self._hole_depths, depth)]
 
     # ---- rebuild ---------------------------------------------------------------------------
 
@@ -228,6 +253,8 @@ class BlockIndex:
         self._parent = dict.fromkeys(keys, UNLINKED)
         self._kids = {}
         self._holes = {}
+        self._holes_at = {}
+        self._hole_depths = []
         for key, op in snap.log.items():
             if op is None:
                 self._remove(key)
@@ -250,14 +277,17 @@ class BlockIndex:
             return 0
         n = len(keys) if limit is None else min(len(keys), limit)
         b = self._boundary(keys, n)
-        holes = self._holes
-        if b and holes:
-            if len(holes) < b:  # the first hole inside the prefix ends it: bisect before it
-                first = min((d for h, d in holes.items() if d < b and keys[d] == h), default=b)
-                if first < b:
-                    c.hole_cuts += 1
-                    b = self._boundary(keys, first)  # no hole lies below `first`
-            elif not holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
+        if b and self._holes:
+            depths = self._hole_depths
+            inside = bisect_left(depths, b)  # distinct hole depths that lie inside the prefix
+            if inside < b:  # the first hole inside the prefix ends it: bisect before it
+                at = self._holes_at
+                for i in range(inside):
+                    d = depths[i]
+                    if keys[d] in at[d]:
+                        c.hole_cuts += 1
+                        return self._boundary(keys, d)  # no hole lies below d
+            elif not self._holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
                 c.walks += 1
                 present = self._parent
                 for i in range(b):
