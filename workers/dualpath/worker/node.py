@@ -146,7 +146,11 @@ class WorkerNode:
         backend = self.opts.store_backend if spec.storage.use_nixl else "preadv"
         self.store = KVStore(storage, spec.model, spec.storage.capacity_bytes, backend=backend)
         self.read_queue = ReadQueue(
-            self.store, spec.storage.read_concurrency, spec.storage.snic_gbps, name=self.node_id
+            self.store,
+            spec.storage.read_concurrency,
+            spec.storage.snic_gbps,
+            name=self.node_id,
+            read_timeout_s=spec.storage.read_timeout_ms / 1000,
         )
         self.transfer = TransferEngine(
             self.node_id,
