@@ -160,13 +160,12 @@ class LayerReadHandle:
 
     async def _bounded(self, fut: cf.Future, what: str):  # noqa: ANN202
         """`fut`'s result, waiting at most the queue's read timeout (then the hit ends)."""
+        waiting = asyncio.wrap_future(fut)
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(fut)), self._queue.read_timeout_s
-            )
+            return await asyncio.wait_for(asyncio.shield(waiting), self._queue.read_timeout_s)
         except TimeoutError:
             self._timed_out(fut, what)
-        return await asyncio.shield(asyncio.wrap_future(fut))  # resolved now, one way or another
+        return await asyncio.shield(waiting)  # resolved now, one way or another
 
     def arrived(self, l: int) -> tuple[list[LayerKV], bool]:  # noqa: E741
         """Layer l if its read is done (any thread, never blocks): the prefill's compute thread
@@ -481,6 +480,8 @@ class ReadQueue:
                 ]
                 got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
             except Exception as err:  # the store turns I/O errors into failures; anything else
+                self._add_pending(-nbytes)  # released before resolving, as below
+                released = True
                 handle._fail(a, self.store.fail_read(handle.ids[a], err))
                 return
             finally:
