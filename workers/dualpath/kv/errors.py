@@ -89,5 +89,5 @@ class LogLimiter:
         if left_out:
             msg += " (%d more like it since the last report)"
             args = (*args, left_out)
-        self.logger.warning(msg, *args)
+        self.logger.warning(msg, *args, stacklevel=2)  # the line that saw the error
         return True
