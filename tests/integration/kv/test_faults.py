@@ -381,3 +381,48 @@ def test_capacity_is_made_before_the_write(make_store, tiny, kvh):
     kvh.fill(store, 1, seed=12)
     assert seen == [2 * file_bytes] and store.used_bytes == 3 * file_bytes
     assert ids[0] not in store.lru_order()
+
+
+class SlowBackend(PreadvBackend):
+    """Every block read takes `delay_s`: a slow store that still moves."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def read_run(self, fd, views, offset):
+        time.sleep(self.delay_s)
+        super().read_run(fd, views, offset)
+
+
+async def test_a_slow_store_that_moves_is_waited_for(tmp_path, tiny, kvh):
+    # 12 block reads of 50 ms before layer 0 is whole: 0.6 s, twice the bound, never a stall
+    store, ids, blocks = _store(tmp_path, tiny, kvh, SlowBackend(0.05), n=12)
+    before = misses("timeout")
+    with ReadQueue(store, concurrency=1, chunk_blocks=1, read_timeout_s=BOUND_S) as q:
+        h = q.submit(ids)
+        t0 = time.monotonic()
+        k, _ = await asyncio.wait_for(h.layer(0), HANG_S)
+        assert time.monotonic() - t0 > BOUND_S  # longer than the bound, and still served
+        assert torch.equal(kvh.u8(k), kvh.u8(torch.cat([b[0][0] for b in blocks])))
+        h.close()
+    assert misses("timeout") == before
+    store.close()
+
+
+async def test_a_request_behind_a_stuck_read_is_bounded_too(tmp_path, tiny, kvh):
+    backend = GatedBackend()
+    store, ids, _ = _store(tmp_path, tiny, kvh, backend)
+    q = ReadQueue(store, concurrency=1, chunk_blocks=4, read_timeout_s=BOUND_S)
+    try:
+        stuck = q.submit(ids)
+        behind = q.submit(ids[:2])  # queued behind it: the queue has stopped moving
+        with pytest.raises(KVLoadError):
+            await asyncio.wait_for(behind.layer(0), HANG_S)
+        with pytest.raises(KVLoadError):
+            await asyncio.wait_for(stuck.layer(0), HANG_S)
+        stuck.close()
+        behind.close()
+    finally:
+        backend.gate.set()
+        q.close()
+        store.close()

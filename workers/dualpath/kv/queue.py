@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -143,6 +144,7 @@ class LayerReadHandle:
         self._error: KVLoadError | None = None
         self._jobs: list[cf.Future] = []
         self._run: OpenRun | None = None  # the validated blocks, open until the last chunk
+        self._in_flight: dict[object, float] = {}  # job -> when its read began (stall check)
         self._run_jobs = 0
 
     @property
@@ -159,13 +161,31 @@ class LayerReadHandle:
         return await self._bounded(self._layers[l], f"layer {l}")
 
     async def _bounded(self, fut: cf.Future, what: str):  # noqa: ANN202
-        """`fut`'s result, waiting at most the queue's read timeout (then the hit ends)."""
+        """`fut`'s result, waiting until the reads stall (`_stall_deadline`; then the hit ends)."""
         waiting = asyncio.wrap_future(fut)
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiting), self._queue.read_timeout_s)
-        except TimeoutError:
-            self._timed_out(fut, what)
+        since = time.monotonic()
+        while not fut.done():
+            left = self._stall_deadline(since) - time.monotonic()
+            if left <= 0:
+                self._timed_out(fut, what)
+                break
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), left)
+            except TimeoutError:
+                pass
         return await asyncio.shield(waiting)  # resolved now, one way or another
+
+    def _stall_deadline(self, since: float) -> float:
+        """When a wait that began at `since` has stalled: `read_timeout_s` after this request's
+        oldest read still in flight began, or after the later of `since` and the queue's last
+        finished read. A slow queue that moves is waited for (its requests are read in order);
+        a read that does not come back, or a queue that stopped, is not."""
+        q = self._queue
+        deadline = max(since, q.progress_at) + q.read_timeout_s
+        with self._lock:
+            if self._in_flight:
+                deadline = min(deadline, min(self._in_flight.values()) + q.read_timeout_s)
+        return deadline
 
     def arrived(self, l: int) -> tuple[list[LayerKV], bool]:  # noqa: E741
         """Layer l if its read is done (any thread, never blocks): the prefill's compute thread
@@ -180,22 +200,29 @@ class LayerReadHandle:
         await self.layer(l)
 
     def layer_sync(self, l: int, timeout: float | None = None) -> LayerKV:  # noqa: E741
-        """Layer l, blocking at most `timeout` (default: the queue's read timeout)."""
+        """Layer l, blocking at most `timeout` (default: until the reads stall)."""
         return self._sync(self._layers[l], f"layer {l}", timeout).result()
 
     def wait(self, timeout: float | None = None) -> BlockRead:
-        """Block until every layer is read (each at most `timeout`, default the queue's read
-        timeout); the whole request as a BlockRead."""
+        """Block until every layer is read (each at most `timeout`, default until the reads
+        stall); the whole request as a BlockRead."""
         self._sync(self._ready, "validation", timeout)
         for layer, f in enumerate(self._layers):
             self._sync(f, f"layer {layer}", timeout).exception()
         return self.result()
 
     def _sync(self, fut: cf.Future, what: str, timeout: float | None) -> cf.Future:
-        try:
-            fut.exception(self._queue.read_timeout_s if timeout is None else timeout)
-        except TimeoutError:
-            self._timed_out(fut, what)
+        since = time.monotonic()
+        while not fut.done():
+            deadline = since + timeout if timeout is not None else self._stall_deadline(since)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timed_out(fut, what)
+                break
+            try:
+                fut.exception(left)
+            except TimeoutError:
+                pass
         return fut
 
     async def done(self) -> BlockRead:
@@ -270,12 +297,23 @@ class LayerReadHandle:
             self._resolve(f, exc=err)
         self._queue._drop(self)
 
+    @contextlib.contextmanager
+    def _reading(self, job: object) -> Iterator[None]:
+        """Marks a read of this request in flight (a worker thread), for the stall check."""
+        with self._lock:
+            self._in_flight[job] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.pop(job, None)
+
     def _timed_out(self, fut: cf.Future, what: str) -> None:
         """`fut` did not resolve within the read timeout: count it, end the hit."""
         if fut.done() or not self.ids:
             return
         t = self._queue.read_timeout_s
-        message = f"{what} of {len(self.ids)} hit blocks not read within {t:g}s"
+        message = f"{what} of {len(self.ids)} hit blocks not read within {t:g}s (reads stalled)"
         failure = self._queue.store.fail_read(self.ids[0], TimeoutError(message))
         self._fail(0, failure, f"KV load failed: {message}")
 
@@ -327,6 +365,7 @@ class ReadQueue:
             raise ValueError("read_timeout_s must be > 0 (storage.readTimeoutMs)")
         self.store = store
         self.read_timeout_s = read_timeout_s
+        self.progress_at = time.monotonic()  # when a read of this queue last finished
         self.name = name
         self.concurrency = concurrency
         self.snic_gbps = snic_gbps
@@ -409,11 +448,14 @@ class ReadQueue:
             self._add_pending(-n * lo.payload_bytes)
             return
         try:
-            run = self.store.open_run(handle.ids)
+            with handle._reading("validate"):
+                run = self.store.open_run(handle.ids)
         except Exception as err:  # what the store does not classify ends the hit at 0 too
             self._add_pending(-n * lo.payload_bytes)
             handle._fail(0, self.store.fail_read(handle.ids[0], err))
             return
+        finally:
+            self.progress_at = time.monotonic()
         valid, failed = run.valid_blocks, run.failed
         self._add_pending(-(n - valid) * lo.payload_bytes)
         if not handle._validated(valid, failed):  # timed out or closed meanwhile
@@ -478,13 +520,15 @@ class ReadQueue:
                         for layer in range(l0, l1)
                     )
                 ]
-                got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
+                with handle._reading((l0, a)):
+                    got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
             except Exception as err:  # the store turns I/O errors into failures; anything else
                 self._add_pending(-nbytes)  # released before resolving, as below
                 released = True
                 handle._fail(a, self.store.fail_read(handle.ids[a], err))
                 return
             finally:
+                self.progress_at = time.monotonic()
                 with self._lock:
                     self._inflight -= 1
                     self._inflight_gauge.set(self._inflight)
