@@ -11,10 +11,11 @@ machine can emulate nodes whose storage NICs have that speed.
 Blocks that fail validation shorten the hit prefix (`handle.valid_blocks`, `handle.failed`);
 a block whose layer data fails its checksum or cannot be read (an I/O error of any kind) later
 makes `layer()` raise `KVLoadError` naming the valid prefix and the failed ids: the caller
-recomputes, it never gets bad data. Every wait is bounded by `read_timeout_s`
-(`storage.readTimeoutMs`): a layer (or the validation) that has not arrived by then fails the
-same way, as a `timeout` miss. Whatever goes wrong in a worker resolves the handle's futures, so
-no failure is lost in the pool and no caller waits on a read that will never finish.
+recomputes, it never gets bad data. Every wait ends once the reads stall for `read_timeout_s`
+(`storage.readTimeoutMs`: a read of the request in flight that long, or a queue that finished
+nothing for that long): the layer (or the validation) then fails the same way, as a `timeout`
+miss. Whatever goes wrong in a worker resolves the handle's futures, so no failure is lost in
+the pool and no caller waits on a read that will never finish.
 """
 
 from __future__ import annotations
