@@ -426,3 +426,43 @@ async def test_a_request_behind_a_stuck_read_is_bounded_too(tmp_path, tiny, kvh)
         backend.gate.set()
         q.close()
         store.close()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """(writable dir, the same dir bind-mounted read-only): a real EROFS; skipped where this
+    process may not mount (not root, no CAP_SYS_ADMIN)."""
+    import subprocess
+
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        yield src, ro
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+async def test_a_real_read_only_mount_serves_hits_and_refuses_writes(tiny, kvh, read_only_mount):
+    src, ro = read_only_mount
+    writer = KVStore(src, tiny, 1 << 30, backend="preadv")
+    ids, blocks = kvh.fill(writer, 3)
+    writer.close()
+    touch, block = write_failures("touch", "read_only"), write_failures("block", "read_only")
+    store = KVStore(ro, tiny, 1 << 30, backend="preadv")  # starts on a read-only directory
+    try:
+        assert store.lookup(ids) == 3
+        with ReadQueue(store, concurrency=2, read_timeout_s=HANG_S) as q:
+            r = await asyncio.wait_for(q.read_into(ids), HANG_S)
+        assert r.valid_blocks == 3
+        assert torch.equal(kvh.u8(r.layer(1)[1]), kvh.u8(torch.cat([b[1][1] for b in blocks])))
+        assert write_failures("touch", "read_only") > touch
+        with pytest.raises(OSError) as e:
+            kvh.fill(store, 1, seed=5)
+        assert e.value.errno == errno.EROFS
+        assert write_failures("block", "read_only") == block + 1
+    finally:
+        store.close()
