@@ -2,6 +2,7 @@
 rest is recomputed) within a bounded wait; a full store makes room; every failure is counted."""
 
 import asyncio
+import contextlib
 import errno
 import os
 import threading
@@ -416,8 +417,12 @@ async def test_a_request_behind_a_stuck_read_is_bounded_too(tmp_path, tiny, kvh)
     try:
         stuck = q.submit(ids)
         behind = q.submit(ids[:2])  # queued behind it: the queue has stopped moving
-        with pytest.raises(KVLoadError):
-            await asyncio.wait_for(behind.layer(0), HANG_S)
+        # its validation may or may not have run before the stuck read: either way no hit
+        with contextlib.suppress(KVLoadError):
+            k, _ = await asyncio.wait_for(behind.layer(0), HANG_S)
+            assert k.shape[0] == 0
+        r = behind.result()
+        assert r.valid_blocks == 0 and r.failed[0].reason == "timeout"
         with pytest.raises(KVLoadError):
             await asyncio.wait_for(stuck.layer(0), HANG_S)
         stuck.close()
