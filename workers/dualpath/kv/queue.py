@@ -69,20 +69,12 @@ def layer_groups(layers: int, max_group: int) -> list[tuple[int, int]]:
 
 
 class KVLoadError(RuntimeError):
-    """Hit blocks that could not be loaded: use the first `valid_blocks` (`valid_tokens`
-    tokens), recompute the rest."""
+    """Hit blocks that could not be loaded: use the first `valid_blocks`, recompute the rest."""
 
-    def __init__(
-        self,
-        valid_blocks: int,
-        failed: list[BlockFailure],
-        message: str = "",
-        block_tokens: int = 0,
-    ) -> None:
+    def __init__(self, valid_blocks: int, failed: list[BlockFailure], message: str = "") -> None:
         ids = ", ".join(f"{f.block_id}({f.reason})" for f in failed[:3])
         super().__init__(message or f"KV load failed after {valid_blocks} blocks: {ids}")
         self.valid_blocks = valid_blocks
-        self.valid_tokens = valid_blocks * block_tokens  # what a caller's retry may keep
         self.failed = failed
 
 
@@ -300,7 +292,7 @@ class LayerReadHandle:
             return
         with self._lock:
             if self._error is None:
-                self._error = KVLoadError(valid, [failure], message, self.layout.block_tokens)
+                self._error = KVLoadError(valid, [failure], message)
             err = self._error
         for f in self._layers:
             self._resolve(f, exc=err)
@@ -337,7 +329,7 @@ class LayerReadHandle:
     def _chunk_done(self, layer: int, a: int, got: int, want: int, failed: list) -> None:
         with self._lock:
             if got < want and self._error is None:
-                self._error = KVLoadError(a + got, failed, block_tokens=self.layout.block_tokens)
+                self._error = KVLoadError(a + got, failed)
             self._remaining[layer] -= 1
             last = self._remaining[layer] == 0
             err = self._error
