@@ -211,8 +211,10 @@ async def test_a_read_that_never_returns_is_bounded_and_counted(tmp_path, tiny, 
         assert r.valid_blocks == 0 and r.failed[0].reason == "timeout"
         assert misses("timeout") == before + 1  # one event, counted once
         h.close()
+        assert h.busy  # the stuck reads may still write into the request's buffer
         backend.gate.set()  # the stuck reads come back: nothing is left pending or open
         assert await drained(q, store)
+        assert not h.busy
         # and the queue still serves the next request
         h2 = q.submit(ids)
         r = await asyncio.wait_for(h2.done(), HANG_S)

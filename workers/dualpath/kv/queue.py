@@ -152,6 +152,14 @@ class LayerReadHandle:
     def hit_tokens(self) -> int:
         return self.valid_blocks * self.layout.block_tokens
 
+    @property
+    def busy(self) -> bool:
+        """True while a read of this request may still write into its buffer (a chunk job
+        queued or running, even after a timeout or close): whoever reuses the buffer waits
+        for False. A stuck read keeps it True until the read returns."""
+        with self._lock:
+            return self._run_jobs > 0
+
     # ---- the per-layer KV source contract ---------------------------------------------------
 
     async def ready(self) -> int:
