@@ -463,6 +463,11 @@ class StorageSpec(_Model):
     """Storage NIC bandwidth per node; 0: uncapped (real hardware). Locally a token bucket."""
     read_concurrency: int = Field(default=8, ge=1, le=1024)
     """Block reads in flight per node."""
+    read_timeout_ms: int = Field(default=10_000, ge=10, le=3_600_000)
+    """Longest a storage read may stall: a hit read in flight this long, or a node's read queue
+    that finished no read for this long while a request waits on it, ends the request's hit
+    there and the rest is recomputed (a stuck store costs time, not a hung request; a slow one
+    that moves is waited for)."""
     # Off by default: on a POSIX directory NIXL POSIX costs ~110 us a transfer and copies slower,
     # so the store reads at 0.68-0.85 of a plain read against 0.82-0.93 for preadv
     # (`dualpath bench store`, docs/kv.md).

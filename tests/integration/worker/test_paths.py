@@ -7,9 +7,12 @@ NIXL/UCX exactly as in a cluster.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +25,8 @@ pytest.importorskip("nixl_cu12")
 
 from dualpath.config import Role, from_resource  # noqa: E402
 from dualpath.kv import block_ids  # noqa: E402
+from dualpath.kv import metrics as kv_metrics  # noqa: E402
+from dualpath.kv.backend import PreadvBackend  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
@@ -41,7 +46,7 @@ def _config(tmp: Path):
                 "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
                 "prefill": {"replicas": 1, "kvBufferBytes": 32 << 20},
                 "decode": {"replicas": 1, "kvBufferBytes": 32 << 20},
-                "storage": {"path": str(tmp / "kv")},
+                "storage": {"path": str(tmp / "kv"), "readTimeoutMs": 1000},
             },
         }
     )
@@ -219,3 +224,67 @@ async def test_transfer_info_names_the_agent_role_and_config(cluster, decode):
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "decode node" in err.value.details()
+
+
+class _FaultyReads(PreadvBackend):
+    """The decode node's store under a fault: `eio` fails every read, `stuck` never answers
+    until released (a hung mount)."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.release = threading.Event()
+
+    def read_run(self, fd, views, offset):  # noqa: ANN001
+        if self.fault == "eio":
+            raise OSError(errno.EIO, "Input/output error")
+        assert self.release.wait(timeout=120)
+        super().read_run(fd, views, offset)
+
+
+async def test_a_hit_on_a_failing_store_is_recomputed_within_the_bound(
+    cluster, decode, monkeypatch
+):
+    cfg, address = cluster
+    model = cfg.spec.model
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(4, model.vocab_size, (50,), generator=g).tolist()
+    gen1, _ = await _generate(decode, _request(cfg, address, "f1", prompt, 0, 0, max_new=3))
+    ctx = prompt + gen1 + [7, 8, 9]
+    hit = decode.store.lookup(block_ids(ctx, model)) * BT
+    assert hit == 48
+    clean, _ = await _generate(decode, _request(cfg, address, "f-ref", ctx, 0, 0))
+    bound_s = cfg.spec.storage.read_timeout_ms / 1000
+    assert decode.read_queue.read_timeout_s == bound_s
+
+    def misses(reason):
+        return kv_metrics.MISSES.labels(reason=reason)._value.get()
+
+    real = decode.store.backend
+    for fault, reason in (("eio", "io_error"), ("stuck", "timeout")):
+        before = misses(reason)
+        decode.store.backend = faulty = _FaultyReads(fault)
+        t0 = time.monotonic()
+        try:  # path D: the decode node reads the hit and streams it to the prefill node
+            req = _request(cfg, address, f"f-{fault}", ctx, hit, spb.READ_PATH_DECODE)
+            tokens, head = await asyncio.wait_for(_generate(decode, req), bound_s + 60)
+        finally:
+            faulty.release.set()
+            decode.store.backend = real
+        elapsed_s = time.monotonic() - t0
+        assert tokens == clean, fault  # the same greedy answer as a recompute
+        assert head.hit_tokens == 0  # the hit ended at its first block: all recomputed
+        assert misses(reason) >= before + 1
+        assert elapsed_s < bound_s + 30  # the read bound ended the wait, not a deadline
+
+    # a read-only store (recency updates fail): the hit is served, the touch counted
+    def erofs(path, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    touch = kv_metrics.WRITE_FAILURES.labels(op="touch", reason="read_only")
+    before = touch._value.get()
+    monkeypatch.setattr(os, "utime", erofs)
+    req = _request(cfg, address, "f-ro", ctx, hit, spb.READ_PATH_DECODE)
+    tokens, head = await asyncio.wait_for(_generate(decode, req), bound_s + 60)
+    monkeypatch.undo()
+    assert tokens == clean and head.hit_tokens == hit
+    assert touch._value.get() > before

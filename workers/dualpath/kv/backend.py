@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dualpath.kv import metrics
+from dualpath.kv.errors import ShortReadError
 from dualpath.log import quiet_nixl_logs
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
     while views:
         got = os.preadv(fd, views, offset)
         if got <= 0:
-            raise OSError(f"short read at offset {offset} ({want} bytes wanted)")
+            raise ShortReadError(f"short read at offset {offset} ({want} bytes wanted)")
         offset += got
         # Drop what was filled; a short read mid-buffer continues inside that buffer.
         while views and got >= len(views[0]):

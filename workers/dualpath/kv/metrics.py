@@ -11,9 +11,17 @@ WRITE_BYTES = Counter("dualpath_kv_write_bytes_total", "KV block bytes written t
 BLOCKS_WRITTEN = Counter("dualpath_kv_blocks_written_total", "KV blocks written")
 MISSES = Counter(
     "dualpath_kv_misses_total",
-    "blocks that could not be used (missing, truncated, bad_header, foreign_model, checksum, "
-    "io_error); each is a recompute, never bad data",
+    "hit blocks that could not be used, by reason (missing, truncated, bad_header, "
+    "foreign_model, checksum, read_only, permission, no_space, short_read, io_error, timeout); "
+    "each ends a hit there and the rest is recomputed, never bad data",
     ["reason"],
+)
+WRITE_FAILURES = Counter(
+    "dualpath_kv_write_failures_total",
+    "store writes that failed, by op (block: a block file; touch: a recency update; evict: a "
+    "removal) and reason (read_only, permission, no_space, missing, io_error, timeout); the "
+    "store goes without, the answer does not",
+    ["op", "reason"],
 )
 LOOKUP_BLOCKS = Counter("dualpath_kv_lookup_blocks_total", "block ids asked about in lookups")
 LOOKUP_HITS = Counter("dualpath_kv_lookup_hit_blocks_total", "block ids found by lookups")

@@ -9,21 +9,28 @@ complete. An optional token bucket caps the queue at `snic_gbps` gigabits per se
 machine can emulate nodes whose storage NICs have that speed.
 
 Blocks that fail validation shorten the hit prefix (`handle.valid_blocks`, `handle.failed`);
-a block whose layer data fails its checksum later makes `layer()` raise `KVLoadError` naming
-the valid prefix and the failed ids: the caller recomputes, it never gets bad data.
+a block whose layer data fails its checksum or cannot be read (an I/O error of any kind) later
+makes `layer()` raise `KVLoadError` naming the valid prefix and the failed ids: the caller
+recomputes, it never gets bad data. Every wait ends once the reads stall for `read_timeout_s`
+(`storage.readTimeoutMs`: a read of the request in flight that long, or a queue that finished
+nothing for that long): the layer (or the validation) then fails the same way, as a `timeout`
+miss. Whatever goes wrong in a worker resolves the handle's futures, so no failure is lost in
+the pool and no caller waits on a read that will never finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from dualpath.config import StorageSpec
 from dualpath.kv import metrics
 from dualpath.kv.ids import BlockId
 from dualpath.kv.store import (
@@ -40,6 +47,7 @@ from dualpath.kv.store import (
 log = logging.getLogger(__name__)
 
 _CHUNK_TARGET_BYTES = 16 << 20
+DEFAULT_READ_TIMEOUT_S = StorageSpec.model_fields["read_timeout_ms"].default / 1000
 _SLEEP_SLICE_S = 0.05
 # Uncapped, later layers are read a few at a time: a block's layers are one run of its file,
 # so one syscall and one Python pass cover them (1.2-1.3x the throughput of single layers on
@@ -137,20 +145,56 @@ class LayerReadHandle:
         self._error: KVLoadError | None = None
         self._jobs: list[cf.Future] = []
         self._run: OpenRun | None = None  # the validated blocks, open until the last chunk
+        self._in_flight: dict[object, float] = {}  # job -> when its read began (stall check)
         self._run_jobs = 0
 
     @property
     def hit_tokens(self) -> int:
         return self.valid_blocks * self.layout.block_tokens
 
+    @property
+    def busy(self) -> bool:
+        """True while a read of this request may still write into its buffer (a chunk job
+        queued or running, even after a timeout or close): whoever reuses the buffer waits
+        for False. A stuck read keeps it True until the read returns."""
+        with self._lock:
+            return self._run_jobs > 0
+
     # ---- the per-layer KV source contract ---------------------------------------------------
 
     async def ready(self) -> int:
-        """Valid hit blocks after header validation (<= requested)."""
-        return await asyncio.wrap_future(self._ready)
+        """Valid hit blocks after header validation (<= requested; 0 when it timed out)."""
+        return await self._bounded(self._ready, "validation")
 
     async def layer(self, l: int) -> LayerKV:  # noqa: E741 (the contract's name)
-        return await asyncio.shield(asyncio.wrap_future(self._layers[l]))
+        return await self._bounded(self._layers[l], f"layer {l}")
+
+    async def _bounded(self, fut: cf.Future, what: str):  # noqa: ANN202
+        """`fut`'s result, waiting until the reads stall (`_stall_deadline`; then the hit ends)."""
+        waiting = asyncio.wrap_future(fut)
+        since = time.monotonic()
+        while not fut.done():
+            left = self._stall_deadline(since) - time.monotonic()
+            if left <= 0:
+                self._timed_out(fut, what)
+                break
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), left)
+            except TimeoutError:
+                pass
+        return await asyncio.shield(waiting)  # resolved now, one way or another
+
+    def _stall_deadline(self, since: float) -> float:
+        """When a wait that began at `since` has stalled: `read_timeout_s` after this request's
+        oldest read still in flight began, or after the later of `since` and the queue's last
+        finished read. A slow queue that moves is waited for (its requests are read in order);
+        a read that does not come back, or a queue that stopped, is not."""
+        q = self._queue
+        deadline = max(since, q.progress_at) + q.read_timeout_s
+        with self._lock:
+            if self._in_flight:
+                deadline = min(deadline, min(self._in_flight.values()) + q.read_timeout_s)
+        return deadline
 
     def arrived(self, l: int) -> tuple[list[LayerKV], bool]:  # noqa: E741
         """Layer l if its read is done (any thread, never blocks): the prefill's compute thread
@@ -165,18 +209,35 @@ class LayerReadHandle:
         await self.layer(l)
 
     def layer_sync(self, l: int, timeout: float | None = None) -> LayerKV:  # noqa: E741
-        return self._layers[l].result(timeout)
+        """Layer l, blocking at most `timeout` (default: until the reads stall)."""
+        return self._sync(self._layers[l], f"layer {l}", timeout).result()
 
     def wait(self, timeout: float | None = None) -> BlockRead:
-        """Block until every layer is read; the whole request as a BlockRead."""
-        for f in self._layers:
-            f.exception(timeout)
+        """Block until every layer is read (each at most `timeout`, default until the reads
+        stall); the whole request as a BlockRead."""
+        self._sync(self._ready, "validation", timeout)
+        for layer, f in enumerate(self._layers):
+            self._sync(f, f"layer {layer}", timeout).exception()
         return self.result()
 
+    def _sync(self, fut: cf.Future, what: str, timeout: float | None) -> cf.Future:
+        since = time.monotonic()
+        while not fut.done():
+            deadline = since + timeout if timeout is not None else self._stall_deadline(since)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timed_out(fut, what)
+                break
+            try:
+                fut.exception(left)
+            except TimeoutError:
+                pass
+        return fut
+
     async def done(self) -> BlockRead:
-        await asyncio.wrap_future(self._ready)
-        for f in self._layers:
-            await asyncio.shield(asyncio.wrap_future(f))
+        await self.ready()
+        for layer in range(self.layout.layers):
+            await self.layer(layer)
         return self.result()
 
     def result(self) -> BlockRead:
@@ -218,14 +279,52 @@ class LayerReadHandle:
         except cf.InvalidStateError:  # cancelled by close() meanwhile
             pass
 
-    def _validated(self, valid: int, failed: list[BlockFailure]) -> None:
-        self.valid_blocks = valid
-        self.failed = failed
-        self._resolve(self._ready, valid)
+    def _validated(self, valid: int, failed: list[BlockFailure]) -> bool:
+        """Settle the valid prefix; False when it was settled already (timed out, closed)."""
+        with self._lock:
+            if self._ready.done():
+                return False
+            self.valid_blocks = valid
+            self.failed = failed
+            self._resolve(self._ready, valid)
         if valid == 0:
             for layer in range(self.layout.layers):
                 k, v = self._views(layer)
                 self._resolve(self._layers[layer], (k[:0], v[:0]))
+        return True
+
+    def _fail(self, valid: int, failure: BlockFailure, message: str = "") -> None:
+        """End the hit at `valid` blocks: before validation settled, as a hit of 0 blocks;
+        after, as a KVLoadError on every layer not yet read (the rest is recomputed)."""
+        if self._validated(0, [failure]):
+            return
+        with self._lock:
+            if self._error is None:
+                self._error = KVLoadError(valid, [failure], message)
+            err = self._error
+        for f in self._layers:
+            self._resolve(f, exc=err)
+        self._queue._drop(self)
+
+    @contextlib.contextmanager
+    def _reading(self, job: object) -> Iterator[None]:
+        """Marks a read of this request in flight (a worker thread), for the stall check."""
+        with self._lock:
+            self._in_flight[job] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.pop(job, None)
+
+    def _timed_out(self, fut: cf.Future, what: str) -> None:
+        """`fut` did not resolve within the read timeout: count it, end the hit."""
+        if fut.done() or not self.ids:
+            return
+        t = self._queue.read_timeout_s
+        message = f"{what} of {len(self.ids)} hit blocks not read within {t:g}s (reads stalled)"
+        failure = self._queue.store.fail_read(self.ids[0], TimeoutError(message))
+        self._fail(0, failure, f"KV load failed: {message}")
 
     def _chunk_finished(self) -> None:
         """A chunk job ran, failed or was cancelled: the last one closes the run."""
@@ -262,6 +361,7 @@ class ReadQueue:
         snic_gbps: float = 0.0,
         name: str = "node",
         chunk_blocks: int | None = None,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_group_layers: int = MAX_GROUP_LAYERS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -270,7 +370,11 @@ class ReadQueue:
             raise ValueError("concurrency must be >= 1 (storage.readConcurrency)")
         if snic_gbps < 0:
             raise ValueError("snic_gbps must be >= 0 (0 = uncapped)")
+        if not read_timeout_s > 0:
+            raise ValueError("read_timeout_s must be > 0 (storage.readTimeoutMs)")
         self.store = store
+        self.read_timeout_s = read_timeout_s
+        self.progress_at = time.monotonic()  # when a read of this queue last finished
         self.name = name
         self.concurrency = concurrency
         self.snic_gbps = snic_gbps
@@ -321,7 +425,7 @@ class ReadQueue:
         total = len(handle.ids) * self.store.layout.payload_bytes
         self._add_pending(total)
         job = self._pool.submit(self._validate, handle)
-        job.add_done_callback(lambda f: f.cancelled() and self._add_pending(-total))
+        job.add_done_callback(lambda f: self._validate_done(f, handle, total))
         with handle._lock:
             handle._jobs.append(job)
         return handle
@@ -335,16 +439,38 @@ class ReadQueue:
             pass  # reported as data in the result
         return handle.result()
 
+    def _validate_done(self, job: cf.Future, handle: LayerReadHandle, nbytes: int) -> None:
+        if job.cancelled():
+            self._add_pending(-nbytes)
+        elif job.exception() is not None:  # a bug, not an I/O error: still never a hang
+            self._job_failed(job, handle, 0)
+
+    def _job_failed(self, job: cf.Future, handle: LayerReadHandle, a: int) -> None:
+        err = job.exception()
+        log.error("read queue %s: a read job failed", self.name, exc_info=err)
+        handle._fail(a, self.store.fail_read(handle.ids[a], err))
+
     def _validate(self, handle: LayerReadHandle) -> None:
         lo = self.store.layout
         n = handle.requested_blocks
-        if handle.closed:
+        if handle.closed or handle._ready.done():
             self._add_pending(-n * lo.payload_bytes)
             return
-        run = self.store.open_run(handle.ids)
+        try:
+            with handle._reading("validate"):
+                run = self.store.open_run(handle.ids)
+        except Exception as err:  # what the store does not classify ends the hit at 0 too
+            self._add_pending(-n * lo.payload_bytes)
+            handle._fail(0, self.store.fail_read(handle.ids[0], err))
+            return
+        finally:
+            self.progress_at = time.monotonic()
         valid, failed = run.valid_blocks, run.failed
         self._add_pending(-(n - valid) * lo.payload_bytes)
-        handle._validated(valid, failed)
+        if not handle._validated(valid, failed):  # timed out or closed meanwhile
+            self._add_pending(-valid * lo.payload_bytes)
+            run.close()
+            return
         if valid == 0:
             run.close()
             return
@@ -367,14 +493,20 @@ class ReadQueue:
                     self._add_pending(-nbytes)
                     handle._chunk_finished()
                     continue
-                job.add_done_callback(lambda f, nb=nbytes: self._chunk_job_done(f, handle, nb))
+                job.add_done_callback(
+                    lambda f, nb=nbytes, a=a: self._chunk_job_done(f, handle, nb, a)
+                )
                 with handle._lock:
                     handle._jobs.append(job)
 
-    def _chunk_job_done(self, job: cf.Future, handle: LayerReadHandle, nbytes: int) -> None:
-        if job.cancelled():
-            self._add_pending(-nbytes)
-        handle._chunk_finished()
+    def _chunk_job_done(self, job: cf.Future, handle: LayerReadHandle, nbytes: int, a: int) -> None:
+        try:
+            if job.cancelled():
+                self._add_pending(-nbytes)
+            elif job.exception() is not None:  # never lost here: the handle's futures fail
+                self._job_failed(job, handle, a)
+        finally:
+            handle._chunk_finished()
 
     def _read_chunk(self, handle: LayerReadHandle, l0: int, l1: int, a: int, b: int) -> None:
         lo = self.store.layout
@@ -397,8 +529,15 @@ class ReadQueue:
                         for layer in range(l0, l1)
                     )
                 ]
-                got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
+                with handle._reading((l0, a)):
+                    got, failed = self.store.read_run_layers_into(handle._run, l0, l1, a, b, dests)
+            except Exception as err:  # the store turns I/O errors into failures; anything else
+                self._add_pending(-nbytes)  # released before resolving, as below
+                released = True
+                handle._fail(a, self.store.fail_read(handle.ids[a], err))
+                return
             finally:
+                self.progress_at = time.monotonic()
                 with self._lock:
                     self._inflight -= 1
                     self._inflight_gauge.set(self._inflight)

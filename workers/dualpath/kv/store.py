@@ -9,12 +9,17 @@ directory: each indexes what it sees; a block another process evicted is a `miss
 Every read verifies the block's header (magic, version, model fingerprint, shape) and the
 checksum of each layer it reads. A bad block is a miss, logged and counted by reason, and
 dropped from the store so it is rewritten; reads return the valid prefix and the failed ids.
+The store is a best-effort cache: an I/O error on a read (read-only, permission, EIO, a short
+read) is a miss by its reason (`kv/errors.py`) that ends the prefix there; a recency update or
+removal that fails is counted and the read goes on; a write that finds the disk full evicts least
+recently used blocks and tries once more, and a write that fails is counted and raised.
 Block fds and their validated headers stay open between reads (`kv/files.py`): each read stats
 the path and reuses an fd only while the path still names the inode it was opened on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 
 from dualpath.config import ModelSpec
-from dualpath.kv import metrics
+from dualpath.kv import errors, metrics
 from dualpath.kv.backend import (
     NBYTES,
     ReadBackend,
@@ -67,7 +72,7 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 @dataclass(frozen=True)
 class BlockFailure:
     block_id: BlockId
-    reason: str  # metric label: missing, truncated, bad_header, foreign_model, checksum, io_error
+    reason: str  # metric label: one of kv/errors.py READ_REASONS
 
 
 @dataclass
@@ -252,6 +257,7 @@ class KVStore:
         self._lru: OrderedDict[BlockId, int] = OrderedDict()  # id -> file bytes, oldest first
         self._files = OpenBlocks(_open_files_limit(open_files))
         self._used = 0
+        self._warn = errors.LogLimiter(log)
         (self.root / "blocks").mkdir(parents=True, exist_ok=True)
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
@@ -281,7 +287,7 @@ class KVStore:
                 if is_block_id(f.name):
                     try:
                         st = f.stat()
-                    except FileNotFoundError:
+                    except OSError:  # gone meanwhile, or unreadable: not a block we can use
                         continue
                     found.append((st.st_mtime_ns, f.name, st.st_size))
         now = time.time()
@@ -291,6 +297,8 @@ class KVStore:
                     f.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as err:  # e.g. a read-only store: it still serves reads
+                self._write_failed("evict", err, f"stale temp file {f}")
         found.sort()
         with self._lock:
             for _, name, size in found:
@@ -320,7 +328,7 @@ class KVStore:
                 return True
         try:  # written by another process sharing the directory
             size = self.path_of(block_id).stat().st_size
-        except FileNotFoundError:
+        except OSError:  # not there, or not ours to read
             return False
         with self._lock:
             if block_id not in self._lru:
@@ -335,14 +343,26 @@ class KVStore:
             for b in ids:
                 if b in self._lru:
                     self._lru.move_to_end(b)
-        for b in ids:  # persist recency for the next start's rebuild
+        for b in ids:  # persist recency for the next start's rebuild (best effort)
             try:
                 os.utime(self._file(b))
             except FileNotFoundError:
                 pass
+            except OSError as err:  # a read-only or full store still serves what it holds
+                self._write_failed("touch", err, f"block {b}: refreshing its mtime")
+                break
 
-    def _evict_locked(self, keep: BlockId | None) -> None:
-        while self._used > self.capacity_bytes and self._lru:
+    def _write_failed(self, op: str, err: OSError, what: str) -> None:
+        """Count a failed write-side operation (op: block, touch, evict) and log it (limited)."""
+        reason = errors.error_reason(err)
+        metrics.WRITE_FAILURES.labels(op=op, reason=reason).inc()
+        self._warn.warning(
+            f"{op}:{reason}", "KV store %s: %s failed (%s): %s", self.root, what, reason, err
+        )
+
+    def _evict_locked(self, keep: BlockId | None, room: int = 0) -> None:
+        """Evict least recently used blocks (never `keep`) until `room` more bytes fit."""
+        while self._used + room > self.capacity_bytes and self._lru:
             victim = next(iter(self._lru))
             if victim == keep:
                 self._lru.move_to_end(victim)
@@ -359,11 +379,45 @@ class KVStore:
             self._used -= size
         self._files.invalidate(block_id)
         try:
-            self.path_of(block_id).unlink()
+            self._unlink(block_id)
         except FileNotFoundError:
             pass
         if self.events is not None:
             self.events.removed_ids((block_id,))
+
+    def _unlink(self, block_id: BlockId) -> None:
+        """Remove a block's file; a failure other than its absence is counted, and the index
+        forgets the block all the same (the file is left for a store that can remove it)."""
+        try:
+            self.path_of(block_id).unlink()
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            self._write_failed("evict", err, f"block {block_id}: removing it")
+
+    def _evict_for_space(self, nbytes: int, keep: BlockId) -> int:
+        """The disk is full below capacity_bytes (other data, other writers): evict least
+        recently used blocks worth `nbytes`; how many were evicted."""
+        freed = evicted = 0
+        with self._lock:
+            for victim in list(self._lru):
+                if freed >= nbytes:
+                    break
+                if victim == keep:
+                    continue
+                freed += self._lru[victim]
+                self._drop_locked(victim)
+                metrics.EVICTIONS.inc()
+                evicted += 1
+            metrics.USED_BYTES.set(self._used)
+        self._warn.warning(
+            "no_space_evict",
+            "KV store %s full (no space): evicted %d blocks (%d bytes) to make room",
+            self.root,
+            evicted,
+            freed,
+        )
+        return evicted
 
     def evict(self, block_id: BlockId) -> None:
         with self._lock:
@@ -413,28 +467,7 @@ class KVStore:
             checksums.append(layer_checksum(kb.numpy().data, vb.numpy().data))
             bufs += [kb, vb]
         header = encode_header(self.layout, block_id, checksums)
-        final = self.path_of(block_id)
-        tmp = self.root / "tmp" / f"{block_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(fd, memoryview(header))
-            for b in bufs:
-                _write_all(fd, memoryview(b.numpy()))
-            if self.durable:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        final.parent.mkdir(exist_ok=True)
-        os.rename(tmp, final)
-        if self.durable:
-            dfd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        self._write_or_make_room(block_id, header, bufs)
         size = self.layout.file_bytes
         with self._lock:
             if block_id not in self._lru:
@@ -446,6 +479,52 @@ class KVStore:
         metrics.WRITE_BYTES.inc(size)
         metrics.BLOCKS_WRITTEN.inc()
         return True
+
+    def _write_or_make_room(self, block_id: BlockId, header: bytes, bufs: list) -> None:
+        """Write a block file, making room first (capacity) and, when the disk is full anyway,
+        evicting least recently used blocks and trying once more; a failure is counted, raised."""
+        size = self.layout.file_bytes
+        with self._lock:
+            self._evict_locked(keep=block_id, room=size)
+            metrics.USED_BYTES.set(self._used)
+        try:
+            self._write_file(block_id, header, bufs)
+            return
+        except OSError as err:
+            if errors.error_reason(err) != "no_space" or not self._evict_for_space(size, block_id):
+                self._write_failed("block", err, f"block {block_id}: writing it")
+                raise
+        try:
+            self._write_file(block_id, header, bufs)
+        except OSError as err:
+            self._write_failed("block", err, f"block {block_id}: writing it after evicting")
+            raise
+
+    def _write_file(self, block_id: BlockId, header: bytes, bufs: list) -> None:
+        final = self.path_of(block_id)
+        tmp = self.root / "tmp" / f"{block_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                _write_all(fd, memoryview(header))
+                for b in bufs:
+                    _write_all(fd, memoryview(b.numpy()))
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            final.parent.mkdir(exist_ok=True)
+            os.rename(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        if self.durable:
+            dfd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
     def put_tokens(
         self, tokens: Sequence[int], kv_layers: Sequence[LayerKV], kv_start_token: int = 0
@@ -546,7 +625,7 @@ class KVStore:
         except BlockFormatError as err:
             failed.append(self._miss(b, err.reason, str(err), drop=True))
         except OSError as err:
-            failed.append(self._miss(b, "io_error", f"block {b}: {err}", drop=False))
+            failed.append(self.fail_read(b, err))
         return None
 
     def _open_block(self, b: BlockId, path: str) -> OpenBlock:
@@ -575,8 +654,16 @@ class KVStore:
         opened, failed = self._acquire(ids)
         return OpenRun(self._files, list(ids), opened, failed)
 
+    def fail_read(self, block_id: BlockId, err: BaseException) -> BlockFailure:
+        """An I/O error reading `block_id` (the file is left alone): a miss by its reason."""
+        reason = errors.error_reason(err)
+        return self._miss(block_id, reason, f"block {block_id}: {err}", drop=False)
+
     def _miss(self, block_id: BlockId, reason: str, message: str, drop: bool) -> BlockFailure:
-        log.warning("KV miss (%s): %s", reason, message)
+        if drop:  # a bad block: each is its own event, and it is gone after this
+            log.warning("KV miss (%s): %s", reason, message)
+        else:  # an I/O error can repeat on every request: logged once in a while
+            self._warn.warning(f"miss:{reason}", "KV miss (%s): %s", reason, message)
         metrics.MISSES.labels(reason=reason).inc()
         if drop:
             with self._lock:
@@ -740,7 +827,7 @@ class KVStore:
             try:
                 self.backend.read(part)
             except OSError as err:
-                failed.insert(0, self._miss(ids[i0], "io_error", f"read failed: {err}", drop=False))
+                failed.insert(0, self.fail_read(ids[i0], err))
                 return i0
             self._read_seconds.observe(time.perf_counter() - t0)
             self._read_bytes.inc(int(part.segments[:, NBYTES].sum()))
@@ -783,7 +870,7 @@ class KVStore:
             try:
                 read_run(entry.fd, iov, off)
             except OSError as err:
-                failed.insert(0, self._miss(ids[i], "io_error", f"read failed: {err}", drop=False))
+                failed.insert(0, self.fail_read(ids[i], err))
                 return i
             sums = entry.header.checksums
             for j, layer in layers:

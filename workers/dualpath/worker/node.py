@@ -189,7 +189,11 @@ class WorkerNode:
             events=self.kv_events,
         )
         self.read_queue = ReadQueue(
-            self.store, spec.storage.read_concurrency, spec.storage.snic_gbps, name=self.node_id
+            self.store,
+            spec.storage.read_concurrency,
+            spec.storage.snic_gbps,
+            name=self.node_id,
+            read_timeout_s=spec.storage.read_timeout_ms / 1000,
         )
         self.transfer = TransferEngine(
             self.node_id,
