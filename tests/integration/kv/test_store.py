@@ -222,6 +222,26 @@ def test_eviction_keeps_under_capacity_in_lru_order(make_store, tiny, kvh):
     assert again.lru_order() == order
 
 
+def test_eviction_takes_chains_from_their_tails(make_store, tiny, kvh):
+    # plain LRU evicted a chain's first blocks first: every later block became unreachable
+    probe = make_store()
+    per_block = probe.layout.file_bytes
+    store = make_store(capacity_bytes=4 * per_block, root=probe.root.parent / "tails")
+    bt = store.layout.block_tokens
+
+    def turn(tokens):
+        kv = [(torch.randn(len(tokens), 2, 16), torch.randn(len(tokens), 2, 16))] * 4
+        return store.put_tokens(tokens, kv)
+
+    a = turn(list(range(3 * bt)))
+    b = turn([500 - i for i in range(2 * bt)])
+    assert store.lookup(a) == 2 and not store.path_of(a[2]).exists()  # A lost its tail only
+    assert store.lookup(b) == 2
+    store.lookup(a)  # A read after B: B's tail goes first, then its head
+    c = turn([7] * (2 * bt))
+    assert store.lookup(a) == 2 and store.lookup(c) == 2 and store.lookup(b) == 0
+
+
 def test_put_tokens_writes_only_covered_full_blocks(make_store):
     store = make_store()
     lo = store.layout

@@ -339,6 +339,10 @@ class KVStore:
         return True
 
     def _touch(self, ids: Sequence[BlockId]) -> None:
+        """Mark a chain prefix used. Deepest first, so a chain's first blocks end up the most
+        recent: LRU then evicts chains from their tails and leaves no holes in what remains
+        (a hole cuts every later block of the chain out of every hit)."""
+        ids = ids[::-1]
         with self._lock:
             for b in ids:
                 if b in self._lru:
@@ -550,6 +554,10 @@ class KVStore:
             if self._put(bid, blk):
                 written.append(bid)
             end = i + 1
+        with self._lock:  # the turn's chain, deepest first (see _touch): tails go first
+            for b in reversed(ids[:end]):
+                if b in self._lru:
+                    self._lru.move_to_end(b)
         if self.events is not None and end:
             # the whole chain with its links: the blocks written here, and the prefix this
             # process still holds (it links keys a scan found, and heals lost events)
