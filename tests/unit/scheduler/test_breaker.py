@@ -2,7 +2,6 @@
 the outcomes of its requests, and a retry's exclusions, both applied before the policy runs."""
 
 import pytest
-
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import SchedulerState
 
@@ -123,3 +122,14 @@ def test_every_completion_ends_its_in_flight_entry(ok):
     for rid in ids:
         st.complete(rid, ok=ok)
     assert not st.in_flight
+
+
+def test_a_failure_naming_its_node_counts_against_that_node_only():
+    st = make(Clock())
+    st.register(NodeState("p1", "prefill"), "a:2")
+    for _ in range(5):
+        d = route(st)
+        st.complete(d.request_id, ok=False, failed_node=d.decode_node)
+    assert st.breakers.get("p0") is None or st.breakers["p0"].failures == 0
+    assert st.breakers.get("p1") is None or st.breakers["p1"].failures == 0
+    assert st.open_breakers() >= 1  # a decode node's

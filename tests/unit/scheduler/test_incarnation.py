@@ -2,7 +2,6 @@
 or draining one is replaced cleanly, and the replaced incarnation's heartbeats are unknown."""
 
 import pytest
-
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import NodeConflict, SchedulerState
 

@@ -19,6 +19,7 @@ from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
+from dualpath.worker import FAILED_NODE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,20 @@ class GrpcBackend:
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
         keys = pack_keys(block_keys(block_ids(req.prompt_ids, self.model)))
         exclude: list[str] = []
+        first_error = ""
         for attempt in range(2):
             rid = req.request_id if not attempt else f"{req.request_id}.retry"
-            route = await self._route(req, rid, keys, exclude)
-            generated, ok, cancelled, started = 0, False, True, False
+            try:
+                route = await self._route(req, rid, keys, exclude)
+            except asyncio.CancelledError:
+                # the scheduler may have routed it just before the cancel reached it
+                self._complete_later(rid, 0, False, True, "")
+                raise
+            except BackendError as err:
+                if first_error:  # nowhere else to go: the turn's own failure is the answer
+                    raise BackendError(f"{first_error} (no retry: {err})") from None
+                raise
+            generated, ok, cancelled, started, failed = 0, False, True, False, ""
             try:
                 async for ev in self._stream(req, route):
                     started = True
@@ -127,23 +138,26 @@ class GrpcBackend:
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 cancelled = code not in _NODE_FAULTS
+                # the decode node names the side that failed; a call that failed to connect
+                # (or a node that says nothing) is the decode node's own failure
+                trailer = dict(err.trailing_metadata() or ())
+                failed = trailer.get(FAILED_NODE_KEY) or route.decode_node
                 error = f"decode {route.decode_node} Generate: {code.name}: {err.details()}"
                 if started or attempt or code not in _NODE_FAULTS:
                     raise BackendError(error) from None
                 RETRIES.inc()
                 log.warning(
-                    "turn %s failed before its first token (%s): retrying once without %s, %s",
+                    "turn %s failed before its first token (%s): retrying once without %s",
                     req.request_id,
                     error,
-                    route.prefill_node,
-                    route.decode_node,
+                    failed,
                 )
-                exclude = [route.prefill_node, route.decode_node]
+                exclude, first_error = [failed], error
             except BackendError:
                 cancelled = False
                 raise
             finally:
-                self._complete_later(route.request_id, generated, ok, cancelled)
+                self._complete_later(route.request_id, generated, ok, cancelled, failed)
 
     async def _route(self, req: TurnRequest, rid: str, keys: bytes, exclude: list[str]):
         try:
@@ -203,19 +217,28 @@ class GrpcBackend:
             )
         yield Finished(reason, generated)
 
-    def _complete_later(self, request_id: str, generated: int, ok: bool, cancelled: bool) -> None:
+    def _complete_later(
+        self, request_id: str, generated: int, ok: bool, cancelled: bool, failed_node: str
+    ) -> None:
         """`Complete` in the background with its own deadline: it survives the turn's
         cancellation and never delays the client's last chunk."""
         task = asyncio.get_running_loop().create_task(
-            self._complete(request_id, generated, ok, cancelled)
+            self._complete(request_id, generated, ok, cancelled, failed_node)
         )
         self._completing.add(task)
         task.add_done_callback(self._completing.discard)
 
-    async def _complete(self, request_id: str, generated: int, ok: bool, cancelled: bool) -> None:
+    async def _complete(
+        self, request_id: str, generated: int, ok: bool, cancelled: bool, failed_node: str
+    ) -> None:
         try:
             await self._sched.complete(
-                request_id, generated, ok, cancelled=cancelled, timeout_s=COMPLETE_TIMEOUT_S
+                request_id,
+                generated,
+                ok,
+                cancelled=cancelled,
+                timeout_s=COMPLETE_TIMEOUT_S,
+                failed_node=failed_node,
             )
         except grpc.aio.AioRpcError as err:
             COMPLETE_FAILURES.inc()

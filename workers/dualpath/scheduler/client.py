@@ -63,10 +63,15 @@ class SchedulerClient:
         ok: bool = True,
         cancelled: bool = False,
         timeout_s: float | None = None,
+        failed_node: str = "",
     ) -> None:
         await self.stub.Complete(
             pb.CompleteRequest(
-                request_id=request_id, generated_tokens=generated_tokens, ok=ok, cancelled=cancelled
+                request_id=request_id,
+                generated_tokens=generated_tokens,
+                ok=ok,
+                cancelled=cancelled,
+                failed_node=failed_node,
             ),
             timeout=timeout_s or self.timeout_s,
             wait_for_ready=True,

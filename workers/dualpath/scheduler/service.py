@@ -203,6 +203,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             max_new_tokens=request.max_new_tokens,
             session_id=request.session_id,
         )
+        if request.exclude_nodes and not self.state.has_pair_without(request.exclude_nodes):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no available prefill/decode pair without the excluded nodes "
+                f"({', '.join(request.exclude_nodes)})",
+            )
         timeout_s = request.queue_timeout_s or self.default_queue_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
@@ -233,6 +239,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 await asyncio.wait_for(changed.wait(), timeout=min(left, 0.05))
             except TimeoutError:
                 pass
+        if context.cancelled():  # the caller is gone: nobody will send its Complete
+            self.state.complete(decision.request_id, ok=False, cancelled=True)
+            await context.abort(grpc.StatusCode.CANCELLED, "the caller cancelled the route")
         m.DECISIONS.labels(self.state.policy.name, decision.read_path.value).inc()
         m.IN_FLIGHT.set(len(self.state.in_flight))
         nodes = self.state.nodes
@@ -253,7 +262,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         # Unknown ids are fine: a restarted scheduler forgets requests that still finish.
         st = self.state
         opens = st.breaker_opens_total
-        st.complete(request.request_id, request.ok, request.cancelled)
+        st.complete(request.request_id, request.ok, request.cancelled, request.failed_node)
         m.IN_FLIGHT.set(len(st.in_flight))
         m.COMPLETIONS.labels(
             "ok" if request.ok else "cancelled" if request.cancelled else "failed"

@@ -288,15 +288,28 @@ class SchedulerState:
         )
 
     def complete(
-        self, request_id: str, ok: bool = True, cancelled: bool = False
+        self, request_id: str, ok: bool = True, cancelled: bool = False, failed_node: str = ""
     ) -> InFlight | None:
-        """End a routed request; a failure (not a cancel) counts against both nodes of its
-        pair, a success closes their breakers."""
+        """End a routed request; a failure (not a cancel) counts against the node it came
+        from (`failed_node`, when it is of the pair) or else both nodes of its pair; a success
+        closes their breakers."""
         done = self.in_flight.pop(request_id, None)
-        if done is not None and not cancelled:
-            for node_id in {done.decision.prefill_node, done.decision.decode_node}:
-                self._outcome(node_id, ok)
+        if done is None or cancelled:
+            return done
+        pair = {done.decision.prefill_node, done.decision.decode_node}
+        for node_id in pair if ok or failed_node not in pair else (failed_node,):
+            self._outcome(node_id, ok)
         return done
+
+    def has_pair_without(self, exclude: Sequence[str]) -> bool:
+        """Whether an available prefill and decode node of one config hash remain when the
+        nodes in `exclude` are left out (a retry has somewhere else to go)."""
+        ex = set(exclude)
+        return any(
+            any(n.available and n.node_id not in ex for n in pool.prefill)
+            and any(n.available and n.node_id not in ex for n in pool.decode)
+            for pool in self.view.pools()
+        )
 
     def _outcome(self, node_id: str, ok: bool) -> None:
         b = self.breakers.setdefault(node_id, Breaker())

@@ -136,16 +136,18 @@ class RouteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., read_path: _Optional[_Union[ReadPath, str]] = ..., policy: _Optional[str] = ..., est_read_finish_s: _Optional[float] = ..., hit_tokens: _Optional[int] = ..., hit_bytes: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "generated_tokens", "ok", "cancelled")
+    __slots__ = ("request_id", "generated_tokens", "ok", "cancelled", "failed_node")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generated_tokens: int
     ok: bool
     cancelled: bool
-    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ok: _Optional[bool] = ..., cancelled: _Optional[bool] = ...) -> None: ...
+    failed_node: str
+    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ok: _Optional[bool] = ..., cancelled: _Optional[bool] = ..., failed_node: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ()

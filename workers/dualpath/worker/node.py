@@ -105,6 +105,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             n.inflight -= 1
 
     async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        from dualpath.worker import FAILED_NODE_KEY
+        from dualpath.worker.decode import PrefillFailed
+
         n = self.node
         if n.decode is None:
             await context.abort(
@@ -123,6 +126,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             raise
         except Exception as err:
             log.warning("request %s failed: %s", request.request_id, err)
+            # which side failed, for the frontend's retry and the scheduler's breaker
+            culprit = request.prefill_node if isinstance(err, PrefillFailed) else n.node_id
+            context.set_trailing_metadata(((FAILED_NODE_KEY, culprit),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id}: {err}")
         finally:
             n.inflight -= 1
