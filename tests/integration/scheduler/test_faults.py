@@ -7,6 +7,7 @@ import time
 import grpc
 import pytest
 from dualpath import config
+from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import BackendError, Finished, Routed, Tokens, TurnRequest
 from dualpath.frontend.grpc_backend import GrpcBackend
 from dualpath.scheduler.cli import build
@@ -14,6 +15,7 @@ from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
+from prometheus_client import CollectorRegistry, generate_latest
 
 
 class FakeDecode(wpb_grpc.WorkerServicer):
@@ -122,6 +124,9 @@ async def test_a_turn_failing_before_its_first_token_is_retried_on_another_pair(
         # the instant failures opened d0's breaker: it stops getting turns at all
         assert state.open_breakers() == 1
         assert bad.calls == 3 and good.calls == 12
+        registry = CollectorRegistry()  # the frontend's /metrics shows the backend's retries
+        create_app(cluster["cfg"], backend, registry)
+        assert b"dualpath_frontend_retries_total 3.0" in generate_latest(registry)
     finally:
         await backend.close()
 

@@ -41,15 +41,6 @@ _NODE_FAULTS = frozenset(
 # Deadline of one `Complete` (sent in the background): a scheduler down must not pile them up.
 COMPLETE_TIMEOUT_S = 5.0
 
-RETRIES = Counter(
-    "dualpath_frontend_retries_total",
-    "Turns that failed before their first token and were retried once on another pair",
-)
-COMPLETE_FAILURES = Counter(
-    "dualpath_frontend_complete_failures_total",
-    "Complete calls to the scheduler that failed (its in-flight entry stays until it restarts)",
-)
-
 
 class GrpcBackend:
     def __init__(
@@ -65,6 +56,18 @@ class GrpcBackend:
         self._sched = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._completing: set[asyncio.Task] = set()
+        # registered by the app on its /metrics registry
+        self.retries = Counter(
+            "dualpath_frontend_retries_total",
+            "Turns that failed before their first token and were retried once on another pair",
+            registry=None,
+        )
+        self.complete_failures = Counter(
+            "dualpath_frontend_complete_failures_total",
+            "Complete calls to the scheduler that failed (the entry stays until it restarts)",
+            registry=None,
+        )
+        self.collectors = (self.retries, self.complete_failures)
 
     async def start(self) -> None:
         from dualpath.scheduler.client import SchedulerClient
@@ -145,7 +148,7 @@ class GrpcBackend:
                 error = f"decode {route.decode_node} Generate: {code.name}: {err.details()}"
                 if started or attempt or code not in _NODE_FAULTS:
                     raise BackendError(error) from None
-                RETRIES.inc()
+                self.retries.inc()
                 log.warning(
                     "turn %s failed before its first token (%s): retrying once without %s",
                     req.request_id,
@@ -241,5 +244,5 @@ class GrpcBackend:
                 failed_node=failed_node,
             )
         except grpc.aio.AioRpcError as err:
-            COMPLETE_FAILURES.inc()
+            self.complete_failures.inc()
             log.warning("Complete(%s) failed: %s", request_id, err.code().name)
