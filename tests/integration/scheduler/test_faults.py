@@ -213,3 +213,28 @@ async def test_with_no_other_pair_the_turn_fails_at_once_with_its_own_error(clus
         assert await _settle(cluster["sched"].servicer.state) == 0
     finally:
         await backend.close()
+
+
+async def test_a_duplicate_agent_waits_refused_then_replaces_the_stopped_one(cluster):
+    first = NodeAgent(
+        cluster["addr"], Registration("d9", "decode", "127.0.0.1:2"), lambda: pb.NodeLoad()
+    ).start()
+    await _ready(cluster["addr"], 2)
+    second = NodeAgent(
+        cluster["addr"], Registration("d9", "decode", "127.0.0.1:3"), lambda: pb.NodeLoad()
+    ).start()
+    state = cluster["sched"].servicer.state
+    try:
+        deadline = time.monotonic() + 5
+        while second.refusals < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert second.refusals >= 2 and not second.registrations
+        assert state.nodes["d9"].address == "127.0.0.1:2"
+        await first.stop()  # its heartbeats stop: after the node timeout the id is free
+        deadline = time.monotonic() + 10
+        while not second.registrations and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert state.nodes["d9"].address == "127.0.0.1:3"
+        assert state.nodes["d9"].incarnation == second.incarnation
+    finally:
+        await second.stop()

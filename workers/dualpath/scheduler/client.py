@@ -129,6 +129,7 @@ class NodeAgent:
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self.registrations = 0
+        self.refusals = 0  # registrations refused in a row (another process holds the id)
         # one per process start: the scheduler tells a restarted process from a second one
         self.incarnation = uuid.uuid4().hex[:16]
 
@@ -155,6 +156,7 @@ class NodeAgent:
             wait_for_ready=True,
         )
         self.registrations += 1
+        self.refusals = 0
         if resp.heartbeat_interval_ms:
             self.interval_s = resp.heartbeat_interval_ms / 1000.0
         log.info("registered %s with the scheduler (#%d)", self.reg.node_id, self.registrations)
@@ -189,7 +191,14 @@ class NodeAgent:
                 if self._stopping.is_set():
                     break
                 if err.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    log.error("registration of %s refused: %s", self.reg.node_id, err.details())
+                    # logged once per streak; retried: the other process may stop or time out
+                    self.refusals += 1
+                    log.log(
+                        logging.ERROR if self.refusals == 1 else logging.DEBUG,
+                        "registration of %s refused (retrying): %s",
+                        self.reg.node_id,
+                        err.details(),
+                    )
                 else:
                     log.warning(
                         "scheduler unreachable (%s); retry in %.2fs", err.code().name, backoff
