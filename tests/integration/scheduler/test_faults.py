@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 
 class FakeDecode(wpb_grpc.WorkerServicer):
-    """`fail`: "instant" (UNAVAILABLE before any token), "midway" (after 2 tokens), "" (ok);
-    `delay_s` between tokens."""
+    """`fail`: "instant" (UNAVAILABLE before any token), "midway" (after 2 tokens), "cut" (the
+    stream ends after 2 tokens with status OK but no finish reason), "" (ok); `delay_s`
+    between tokens."""
 
     def __init__(self, fail: str = "", delay_s: float = 0.0) -> None:
         self.fail, self.delay_s, self.calls = fail, delay_s, 0
@@ -32,6 +33,8 @@ class FakeDecode(wpb_grpc.WorkerServicer):
         for i in range(request.max_new_tokens):
             if self.fail == "midway" and i == 2:
                 await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
+            if self.fail == "cut" and i == 2:
+                return
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             last = i == request.max_new_tokens - 1
@@ -131,14 +134,17 @@ async def test_a_turn_failing_before_its_first_token_is_retried_on_another_pair(
         await backend.close()
 
 
-async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(cluster):
-    await cluster["add_decode"]("d0", FakeDecode("midway"))
+@pytest.mark.parametrize(
+    ("fail", "error"), [("midway", "INTERNAL"), ("cut", "without a finish reason")]
+)
+async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(cluster, fail, error):
+    await cluster["add_decode"]("d0", FakeDecode(fail))
     await _ready(cluster["addr"], 2)
     backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
     await backend.start()
     events = []
     try:
-        with pytest.raises(BackendError, match="INTERNAL"):
+        with pytest.raises(BackendError, match=error):
             async for ev in backend.generate(TurnRequest("t", "s", [7] * 70, 8)):
                 events.append(ev)
         assert not any(isinstance(e, Finished) for e in events)

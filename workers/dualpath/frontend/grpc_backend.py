@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 from prometheus_client import Counter
@@ -129,13 +130,14 @@ class GrpcBackend:
                 raise
             generated, ok, cancelled, started, failed = 0, False, True, False, ""
             try:
-                async for ev in self._stream(req, route):
-                    started = True
-                    if isinstance(ev, Tokens):
-                        generated += len(ev.ids)
-                    if isinstance(ev, Finished):
-                        ok = True
-                    yield ev
+                async with aclosing(self._stream(req, route)) as events:
+                    async for ev in events:
+                        started = True
+                        if isinstance(ev, Tokens):
+                            generated += len(ev.ids)
+                        if isinstance(ev, Finished):
+                            ok = True
+                        yield ev
                 cancelled = False
                 return
             except grpc.aio.AioRpcError as err:
@@ -195,24 +197,27 @@ class GrpcBackend:
             timeout=self.timeout_s,
         )
         generated, reason, routed = 0, "", False
-        async for msg in call:
-            if not routed:  # the first chunk says what served the turn (a bad block may
-                routed = True  # have shortened the hit or turned it into a recompute)
-                used = int(msg.hit_tokens)
-                path = _PATHS.get(msg.read_path, "none") if used else "none"
-                yield Routed(
-                    route.request_id,
-                    route.prefill_node,
-                    route.decode_node,
-                    path,
-                    used,
-                    route.policy,
-                )
-            if msg.tokens:
-                generated += len(msg.tokens)
-                yield Tokens(list(msg.tokens))
-            if msg.finish_reason:
-                reason = msg.finish_reason
+        try:
+            async for msg in call:
+                if not routed:  # the first chunk says what served the turn (a bad block may
+                    routed = True  # have shortened the hit or turned it into a recompute)
+                    used = int(msg.hit_tokens)
+                    path = _PATHS.get(msg.read_path, "none") if used else "none"
+                    yield Routed(
+                        route.request_id,
+                        route.prefill_node,
+                        route.decode_node,
+                        path,
+                        used,
+                        route.policy,
+                    )
+                if msg.tokens:
+                    generated += len(msg.tokens)
+                    yield Tokens(list(msg.tokens))
+                if msg.finish_reason:
+                    reason = msg.finish_reason
+        finally:
+            call.cancel()  # a turn abandoned early (a no-op once the call has ended)
         if not reason:  # an answer cut short is an error, never an empty success
             raise BackendError(
                 f"decode {route.decode_node} Generate ended without a finish reason "
