@@ -359,7 +359,7 @@ class SchedulerState:
         """
         gap = config_mismatch(self.view)
         if gap is None:
-            return False, "all overloaded, without room, draining or unhealthy"
+            return False, "all overloaded, without room, draining, unhealthy or failing (breaker open)"
         pre, dec = (", ".join(h or "-" for h in hs) for hs in gap)
         msg = f"no prefill and decode node share a config hash (prefill: {pre}; decode: {dec})"
         self.refused_unpaired_total += 1
