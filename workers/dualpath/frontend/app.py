@@ -186,6 +186,8 @@ def create_app(
     tok = ByteTokenizer(spec.model.vocab_size)
     registry = registry or CollectorRegistry()
     metrics = _Metrics(registry)
+    for collector in getattr(backend, "collectors", ()):  # the backend's own (retries, ...)
+        registry.register(collector)
     sessions = Sessions()
     model_name = spec.model.name
 
