@@ -396,5 +396,7 @@ class DecodeRole:
                 call.cancel()
             if handle is not None:
                 handle.close()
-            node.release(regions, 0.0 if clean or call is None or peer_ended else deadline_s)
+            node.release(
+                regions, 0.0 if clean or call is None or peer_ended else deadline_s, handle
+            )
             transfer.discard_notifs(f"{rid}/".encode())

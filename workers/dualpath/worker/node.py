@@ -344,12 +344,26 @@ class WorkerNode:
             )
         return wpb_grpc.WorkerStub(ch)
 
-    def release(self, regions, hold_s: float = 0.0) -> None:  # noqa: ANN001
+    def release(self, regions, hold_s: float = 0.0, reading=None) -> None:  # noqa: ANN001
         """Free a request's buffer regions, at once when nothing can still be written into
         them (`hold_s` 0: the request ended cleanly, its peer never learned their addresses,
         is dead or has ended its side), else after `hold_s`, the deadline of the peer's WRITEs
-        that may still be in flight."""
+        that may still be in flight. `reading`: the request's storage read handle; a read
+        still running in a pool thread (a stuck mount, say) writes into the buffer until it
+        returns, so the regions wait for it first."""
         if not regions:
+            return
+        if reading is not None and reading.busy:
+            loop = asyncio.get_running_loop()
+
+            def later() -> None:
+                if reading.busy:
+                    loop.call_later(0.05, later)
+                else:
+                    self.release(regions, hold_s)
+
+            log.info("KV buffer waits for a storage read still running in its pool thread")
+            loop.call_later(0.05, later)
             return
         pool = self.transfer.pool
         if hold_s <= 0:

@@ -199,5 +199,5 @@ class PrefillRole:
                 handle.close()
             # only path D's hit layers are written here by a peer (the decode node)
             remote = path == "decode" and announced and not ok
-            node.release(regions, node.deadline_s if remote else 0.0)
+            node.release(regions, node.deadline_s if remote else 0.0, handle)
             transfer.discard_notifs(f"{req.request_id}/".encode())
