@@ -104,7 +104,7 @@ class GrpcBackend:
             )
         except grpc.aio.AioRpcError as err:
             return False, f"scheduler {self.scheduler_address}: {err.code().name}"
-        roles = {n.role for n in view.nodes if n.healthy}
+        roles = {n.role for n in view.nodes if n.healthy and not n.load.draining}
         if {1, 2} - roles:
             return False, f"waiting for workers ({len(view.nodes)} registered)"
         return True, f"{len(view.nodes)} nodes, policy {view.policy}"
