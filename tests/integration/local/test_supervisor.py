@@ -139,3 +139,25 @@ def test_stop_goes_wave_by_wave(tmp_path) -> None:
 
     fe, wk, sc = times("frontend"), times("worker"), times("scheduler")
     assert fe["exit"] <= wk["term"] and wk["exit"] <= sc["term"]  # each wave gone first
+
+
+def test_each_wave_has_its_own_grace(tmp_path) -> None:
+    """A frontend that uses (or overruns) its whole grace leaves the workers theirs to drain."""
+    sink = io.StringIO()
+    sup = Supervisor(grace_s=1.5, sink=sink)
+    logs = {name: tmp_path / name for name in ("worker", "frontend", "stuck")}
+    with sup:
+        for name, wave, delay, grace in (
+            ("worker", 1, 1.0, None),  # within the supervisor's grace, from its own SIGTERM
+            ("stuck", 2, 30.0, 0.5),  # overruns its own grace: killed, the next wave unharmed
+            ("frontend", 2, 1.2, None),
+        ):
+            argv = [sys.executable, "-c", GRACEFUL, str(logs[name]), str(delay)]
+            sup.spawn(ProcSpec(name, argv, stop_wave=wave, grace_s=grace))
+        assert _wait_for(lambda: sink.getvalue().count("up") == 3)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    assert "exit" in logs["frontend"].read_text()
+    assert "exit" in logs["worker"].read_text()  # drained, not SIGKILLed at a shared deadline
+    assert "exit" not in logs["stuck"].read_text()
+    assert took < 1.5 + 1.5 + 2  # two waves, each within its own grace

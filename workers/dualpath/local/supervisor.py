@@ -80,6 +80,9 @@ class ProcSpec:
     # stop order: higher waves get SIGTERM first and are waited for before the next wave
     # (the frontend, then the workers, which tell the scheduler they drain, then the scheduler)
     stop_wave: int = 0
+    # SIGTERM to SIGKILL for this process, counted from its own wave's SIGTERM (None: the
+    # supervisor's grace); a slow wave never eats the grace of the next one
+    grace_s: float | None = None
 
 
 @dataclass
@@ -189,20 +192,27 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM the groups wave by wave (highest `stop_wave` first, last started first
-        within a wave), SIGKILL what is left after the grace."""
+        within a wave), SIGKILL what is left of a wave after its own grace (each process's
+        `grace_s`, counted from that wave's SIGTERM), then the next wave."""
         if self._stopping:
             return
         self._stopping = True
-        deadline = time.monotonic() + self.grace_s
         for wave in sorted({c.spec.stop_wave for c in self.children}, reverse=True):
             group = [c for c in reversed(self.children) if c.spec.stop_wave == wave]
+            t0 = time.monotonic()
             for c in group:
                 _signal_group(c.proc, signal.SIGTERM)
             for c in group:
+                grace = self.grace_s if c.spec.grace_s is None else c.spec.grace_s
                 try:
-                    c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    c.proc.wait(timeout=max(0.0, t0 + grace - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s ignored SIGTERM for %.1fs: SIGKILL", c.spec.name, self.grace_s)
+                    log.warning(
+                        "%s ignored SIGTERM for %.1fs: SIGKILL",
+                        c.spec.name,
+                        time.monotonic() - t0,
+                    )
+                    _signal_group(c.proc, signal.SIGKILL)
         for c in self.children:
             # The group may hold grandchildren even when the leader is gone.
             _signal_group(c.proc, signal.SIGKILL)
