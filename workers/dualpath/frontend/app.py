@@ -508,7 +508,7 @@ def create_app(
             stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             created = int(time.time())
             if req.stream:
-                return await stream(endpoint, turn, sid, text, stops, chat, created)
+                return await start_stream(endpoint, turn, sid, text, stops, chat, created)
             res = await run_turn(turn, sid, text, stops)
         except Exception as exc:  # noqa: BLE001 (every failure gets a status and is counted)
             err = error_of(exc)
@@ -532,7 +532,7 @@ def create_app(
             }
         )
 
-    async def stream(
+    async def start_stream(
         endpoint: str,
         turn: TurnRequest,
         sid: str,
