@@ -67,3 +67,39 @@ async def test_frontend_health_is_503_until_it_can_route() -> None:
         for a in agents:
             await a.stop()
         await sched.stop(0.1)
+
+
+async def test_overload_is_a_429_with_retry_after_within_the_queue_timeout() -> None:
+    """No decode node has buffer room: the scheduler refuses at its queue timeout and the
+    frontend answers 429 + Retry-After (streamed or not), not a bare 503."""
+    cfg = config.local_default()
+    sched = build(cfg, None, "127.0.0.1", 0)
+    sched.servicer.default_queue_timeout_s = 0.3
+    await sched.start()
+    addr = f"127.0.0.1:{sched.port}"
+    full = lambda: pb.NodeLoad(buffer_free_bytes=1)  # noqa: E731 (no room for any prompt)
+    agents = [
+        NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:7"), pb.NodeLoad).start(),
+        NodeAgent(addr, Registration("d0", "decode", "127.0.0.1:8"), full).start(),
+    ]
+    app = create_app(cfg, GrpcBackend(cfg, addr, timeout_s=5))
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                await _until(lambda: all(a.registered for a in agents))
+                await asyncio.sleep(0.2)  # a heartbeat carries d0's full buffer
+                for stream in (False, True):
+                    t0 = time.monotonic()
+                    r = await c.post(
+                        "/v1/completions",
+                        json={"model": cfg.spec.model.name, "prompt": "hi", "stream": stream},
+                    )
+                    assert r.status_code == 429, r.text
+                    assert r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["code"] == "overloaded"
+                    assert time.monotonic() - t0 < 3.0
+    finally:
+        for a in agents:
+            await a.stop()
+        await sched.stop(0.1)
