@@ -76,7 +76,7 @@ class GrpcBackend:
         from dualpath.v1 import worker_pb2
 
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
-        keys = block_keys(block_ids(req.prompt_ids, self.model))
+        keys = block_keys(block_ids(req.prompt_ids, self.model, salt=req.cache_salt))
         per_tok = self.model.kv_bytes_per_token
         try:
             route = await self._sched.route(
@@ -104,6 +104,7 @@ class GrpcBackend:
                     prefill_address=route.prefill_address,
                     stop_tokens=list(req.stop_ids),
                     temperature=req.temperature,
+                    cache_salt=req.cache_salt,
                 ),
                 timeout=self.timeout_s,
             )
