@@ -332,3 +332,34 @@ async def test_a_hit_on_a_failing_store_is_recomputed_within_the_bound(
     monkeypatch.undo()
     assert tokens == clean and head.hit_tokens == hit
     assert touch._value.get() > before
+
+
+async def test_cancelled_turns_free_their_buffers_at_once_not_after_a_deadline(cluster, decode):
+    """20 client disconnects mid-turn: the prefill exchanges in flight run to their end and
+    free their regions then; nothing waits out the 20 s transfer deadline (a quarantine would
+    leave no decode buffer to route to)."""
+    import asyncio
+
+    cfg, address = cluster
+    model = cfg.spec.model
+    g = torch.Generator().manual_seed(5)
+    pool = decode.transfer.pool
+
+    async def turn(i):
+        prompt = torch.randint(4, model.vocab_size, (200,), generator=g).tolist()
+        return await _generate(decode, _request(cfg, address, f"c{i}", prompt, 0, 0, 40))
+
+    tasks = [asyncio.create_task(turn(i)) for i in range(20)]
+    await asyncio.sleep(0.05)
+    for i, t in enumerate(tasks):  # some in their prefill exchange, some decoding
+        await asyncio.sleep(0.01 * (i % 3))
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    t0 = time.monotonic()
+    while pool.free_bytes < pool.nbytes and time.monotonic() - t0 < 10.0:
+        await asyncio.sleep(0.02)
+    assert pool.free_bytes == pool.nbytes, f"{pool.regions} regions still held"
+    assert time.monotonic() - t0 < 10.0  # well under the 20 s deadline
+    prompt = torch.randint(4, model.vocab_size, (70,), generator=g).tolist()
+    gen, _ = await _generate(decode, _request(cfg, address, "after", prompt, 0, 0))
+    assert len(gen) == 6

@@ -195,6 +195,8 @@ def create_app(
     tok = ByteTokenizer(spec.model.vocab_size)
     registry = registry or CollectorRegistry()
     metrics = _Metrics(registry)
+    for collector in getattr(backend, "collectors", ()):  # the backend's own (retries, ...)
+        registry.register(collector)
     sessions = Sessions()
     model_name = spec.model.name
     isolate = api_keys is not None and auth.isolate_tenants

@@ -51,6 +51,25 @@ class PrefillFailed(RuntimeError):
     pass
 
 
+# Codes a client call ends with on its own side: the peer may still be running.
+_LOCAL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class _Exchange:
+    """One prefill exchange's progress, shared with the turn that waits for it."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False  # the Prefill call (with this node's buffer addresses) was made
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Done callback of an abandoned exchange: its outcome is logged, never left unretrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("abandoned prefill exchange ended: %s", task.exception())
+
+
 class DecodeRole:
     def __init__(self, node) -> None:  # noqa: ANN001 (WorkerNode)
         self.node = node
@@ -122,8 +141,7 @@ class DecodeRole:
             attempt = req
             for retry in itertools.count(1):
                 try:
-                    with node.transfer.active():
-                        kv, logits, hit, path = await self._prefill(attempt, prompt, hit, path)
+                    kv, logits, hit, path = await self._exchange(attempt, prompt, hit, path)
                     break
                 except (HitUnavailable, KVLoadError) as err:
                     if not hit:
@@ -237,8 +255,41 @@ class DecodeRole:
         log.debug("request %s: %d new blocks stored", rid, len(written))
         await node.flush_kv_events()  # the agent's next turn must find them in the index
 
-    async def _prefill(
+    async def _exchange(
         self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str
+    ) -> tuple[list, torch.Tensor, int, str]:
+        """`_prefill`, shielded from the turn's cancellation once the prefill node holds this
+        node's buffer addresses: the exchange then runs to its end (bounded by its deadlines)
+        and frees the regions the moment nothing can write into them, instead of quarantining
+        them for a whole transfer deadline (a burst of client disconnects would otherwise leave
+        no buffer to route to). Cancelled before that, it stops at once."""
+        ex = _Exchange()
+
+        async def run() -> tuple[list, torch.Tensor, int, str]:
+            with self.node.transfer.active():
+                return await self._prefill(req, prompt, hit, path, ex)
+
+        task = asyncio.ensure_future(run())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not ex.started:
+                task.cancel()
+            elif not task.done():
+                log.info(
+                    "request %s cancelled during its prefill exchange: letting it end",
+                    req.request_id,
+                )
+            task.add_done_callback(_retrieve)
+            raise
+
+    async def _prefill(
+        self,
+        req: wpb.GenerateRequest,
+        prompt: list[int],
+        hit: int,
+        path: str,
+        ex: _Exchange | None = None,
     ) -> tuple[list, torch.Tensor, int, str]:
         """Steps 1-4 of the module docstring: the whole prompt's KV here, and the logits."""
         node = self.node
@@ -246,11 +297,13 @@ class DecodeRole:
         transfer = node.transfer
         rid = req.request_id
         deadline_s = node.deadline_s
+        ex = ex or _Exchange()
         regions = []
         handle = None
         call = None
         tasks: list[asyncio.Task] = []
         clean = False
+        peer_ended = False  # the prefill node ended its side: none of its WRITEs can land
         try:
             layout = RequestLayout.of(model, hit, len(prompt))
             hit_region = None
@@ -279,6 +332,7 @@ class DecodeRole:
             new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
             regions.append(new_region)
             stub = node.worker_stub(req.prefill_address)
+            ex.started = True
             call = stub.Prefill(
                 wpb.PrefillRequest(
                     request_id=rid,
@@ -307,6 +361,7 @@ class DecodeRole:
                 )
             # a failed hit-layer read here ends the wait at once (gather raises the first error)
             done_msg, *_ = await asyncio.gather(anext(stream), *tasks)
+            peer_ended = True  # `done` follows the completion of all its WRITEs
             if done_msg.WhichOneof("kind") != "done":
                 raise PrefillFailed(f"prefill of {rid}: unexpected message {done_msg}")
             done = done_msg.done
@@ -329,6 +384,9 @@ class DecodeRole:
             clean = True
             return kv, logits, layout.hit_tokens, path
         except grpc.aio.AioRpcError as err:
+            # a status from the peer (or a broken connection: a dead peer) ends its side; our
+            # own cancel or deadline does not say its WRITEs stopped
+            peer_ended = err.code() not in _LOCAL_CODES
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 valid = dict(err.trailing_metadata() or ()).get(VALID_HIT_KEY, "0")
                 raise HitUnavailable(err.details(), int(valid) if valid.isdigit() else 0) from None
@@ -346,5 +404,5 @@ class DecodeRole:
                 call.cancel()
             if handle is not None:
                 handle.close()
-            node.release(regions, clean=clean)
+            node.release(regions, 0.0 if clean or call is None or peer_ended else deadline_s)
             transfer.discard_notifs(f"{rid}/".encode())

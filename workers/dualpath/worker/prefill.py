@@ -82,7 +82,7 @@ class PrefillRole:
             transfer.add_peer(req.decode_agent_metadata)
         new_tokens = layout.new_tokens
         self.load.tokens_queued += new_tokens
-        started = False
+        started = announced = False
         regions = []
         handle = None
         t0 = time.perf_counter()
@@ -118,6 +118,7 @@ class PrefillRole:
                 source = RemoteHitSource(transfer, peer, rid, layout, hit_region.tensor, timeout)
             else:
                 source = None
+            announced = True  # from here on the decode node may WRITE into the hit region
             await context.write(
                 wpb.PrefillMessage(
                     accepted=wpb.PrefillAccepted(
@@ -157,9 +158,12 @@ class PrefillRole:
                 except KVLoadError as err:
                     raise HitUnavailable(str(err), err.valid_blocks * model.block_tokens) from None
                 finally:
-                    for t in (*writes, *forward):
-                        if not t.done():
-                            t.cancel()
+                    pending = [t for t in (*writes, *forward) if not t.done()]
+                    for t in pending:
+                        t.cancel()
+                    # ended (and their NIXL handles released) before this call's status goes
+                    # out: the decode node frees its regions when it sees that status
+                    await asyncio.gather(*pending, return_exceptions=True)
                 logits = run.logits[-1].float().contiguous()
                 await context.write(
                     wpb.PrefillMessage(
@@ -199,5 +203,7 @@ class PrefillRole:
                 self.load.tokens_queued -= new_tokens
             if handle is not None:
                 handle.close()
-            node.release(regions, clean=ok)
+            # only path D's hit layers are written here by a peer (the decode node)
+            remote = path == "decode" and announced and not ok
+            node.release(regions, node.deadline_s if remote else 0.0)
             transfer.discard_notifs(f"{req.request_id}/".encode())
