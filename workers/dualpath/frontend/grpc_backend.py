@@ -123,7 +123,7 @@ class GrpcBackend:
         ends with exactly one `Complete`, sent in the background (never delaying the client's
         last chunk), also when the client goes away."""
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
-        keys = pack_keys(block_keys(block_ids(req.prompt_ids, self.model)))
+        keys = pack_keys(block_keys(block_ids(req.prompt_ids, self.model, salt=req.cache_salt)))
         exclude: list[str] = []
         first_error = ""
         for attempt in range(2):
@@ -212,6 +212,7 @@ class GrpcBackend:
                 prefill_address=route.prefill_address,
                 stop_tokens=list(req.stop_ids),
                 temperature=req.temperature,
+                cache_salt=req.cache_salt,
             ),
             timeout=self.timeout_s,
         )

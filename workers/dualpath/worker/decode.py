@@ -29,6 +29,7 @@ import torch
 
 from dualpath.engine import CacheFullError, SamplingParams
 from dualpath.kv import KVLoadError, block_ids
+from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.transfer.engine import TransferError
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
@@ -127,6 +128,9 @@ class DecodeRole:
             raise ValueError(
                 f"token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})"
             )
+        salt = bytes(req.cache_salt)
+        if len(salt) > MAX_SALT_BYTES:
+            raise ValueError(f"cache_salt is {len(salt)} bytes; at most {MAX_SALT_BYTES}")
         rid = req.request_id
         hit = min(int(req.hit_tokens), (len(prompt) - 1) // model.block_tokens * model.block_tokens)
         hit -= hit % model.block_tokens
@@ -196,7 +200,7 @@ class DecodeRole:
                     if out.finished:
                         break
                     yield wpb.GenerateChunk(tokens=[out.token])
-            await self._store_turn(rid, prompt, generated, hit)
+            await self._store_turn(rid, prompt, generated, hit, salt)
             yield wpb.GenerateChunk(
                 tokens=[out.token], finish_reason=out.reason or "length", **head
             )
@@ -231,8 +235,11 @@ class DecodeRole:
                 except TimeoutError:
                     pass
 
-    async def _store_turn(self, rid: str, prompt: list[int], generated: list[int], hit: int):
-        """Write the turn's new full blocks (prompt + generated, last token excluded)."""
+    async def _store_turn(
+        self, rid: str, prompt: list[int], generated: list[int], hit: int, salt: bytes
+    ):
+        """Write the turn's new full blocks (prompt + generated, last token excluded), ids
+        chained under the request's cache salt."""
         node = self.node
         tokens = prompt + generated[:-1]
         bt = node.cfg.spec.model.block_tokens
@@ -241,7 +248,7 @@ class DecodeRole:
         loop = asyncio.get_running_loop()
         kv = await loop.run_in_executor(node.engine.executor, node.engine.sequence_kv, rid, hit)
         try:
-            written = await asyncio.to_thread(node.store.put_tokens, tokens, kv, hit)
+            written = await asyncio.to_thread(node.store.put_tokens, tokens, kv, hit, salt)
         except OSError as err:  # a full or failing disk must not fail the answer
             log.debug("request %s: writing its KV blocks failed: %s", rid, err)  # store counted it
             return
@@ -304,7 +311,7 @@ class DecodeRole:
                 hit_region = await transfer.pool.alloc_wait(layout.hit_bytes, deadline_s)
                 regions.append(hit_region)
             if path == "decode":
-                ids = block_ids(prompt, model)[: layout.hit_blocks]
+                ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
                 handle = node.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:  # shrink the hit to the valid prefix, same region
@@ -330,6 +337,7 @@ class DecodeRole:
                 wpb.PrefillRequest(
                     request_id=rid,
                     prompt_tokens=prompt,
+                    cache_salt=req.cache_salt,
                     hit_tokens=layout.hit_tokens,
                     read_path=_PATH_ENUM[path],
                     decode_node=node.node_id,

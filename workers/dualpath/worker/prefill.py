@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from dualpath.kv import KVLoadError, block_ids
+from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.transfer.engine import TransferEngine
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
@@ -69,6 +70,11 @@ class PrefillRole:
             layout = RequestLayout.of(model, int(req.hit_tokens), len(prompt))
         except ValueError as err:
             raise ValueError(f"Prefill {req.request_id}: {err}") from None
+        if len(req.cache_salt) > MAX_SALT_BYTES:
+            raise ValueError(
+                f"Prefill {req.request_id}: cache_salt is {len(req.cache_salt)} bytes; "
+                f"at most {MAX_SALT_BYTES}"
+            )
         path = PATH_NAMES.get(req.read_path, "prefill") if layout.hit_blocks else "none"
         transfer: TransferEngine = node.transfer
         peer = req.decode_agent
@@ -95,7 +101,7 @@ class PrefillRole:
             forward: list[asyncio.Task] = []
             rid = req.request_id
             if path == "prefill":
-                ids = block_ids(prompt, model)[: layout.hit_blocks]
+                ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
                 handle = node.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:
