@@ -63,6 +63,7 @@ CASES: list[tuple[str, bytes, str | None]] = [
     ("completions", _raw({**COMPLETION, "prompt": "a" + LONE}), "prompt"),
     ("completions", _raw({**COMPLETION, "session_id": LONE}), "session_id"),
     ("completions", _raw({**COMPLETION, "user": "u" + LONE}), "user"),
+    ("completions", _raw({**COMPLETION, "cache_salt": LONE}), "cache_salt"),
     ("completions", _raw({**COMPLETION, "stop": LONE}), "stop"),
     ("completions", _raw({**COMPLETION, "stop": ["ok", LONE]}), "stop.1"),
     ("completions", _raw({**COMPLETION, "model": LONE}), "model"),
@@ -248,7 +249,7 @@ def _fuzz_cases(n: int, seed: int = 19) -> list[tuple[str, bytes]]:
         [{"role": "user", "content": ["x"]}],
     ]
     fields = ["model", "prompt", "messages", "max_tokens", "temperature", "stream", "stop"]
-    fields += ["session_id", "user", "n", LONE, "extra"]
+    fields += ["session_id", "user", "n", "cache_salt", LONE, "extra"]
     out = []
     for _ in range(n):
         chat = rng.random() < 0.5
