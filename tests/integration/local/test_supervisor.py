@@ -139,3 +139,76 @@ def test_stop_goes_wave_by_wave(tmp_path) -> None:
 
     fe, wk, sc = times("frontend"), times("worker"), times("scheduler")
     assert fe["exit"] <= wk["term"] and wk["exit"] <= sc["term"]  # each wave gone first
+
+
+def test_each_wave_has_its_own_grace(tmp_path) -> None:
+    """A frontend that uses (or overruns) its whole grace leaves the workers theirs to drain."""
+    sink = io.StringIO()
+    sup = Supervisor(grace_s=1.5, sink=sink)
+    logs = {name: tmp_path / name for name in ("worker", "frontend", "stuck")}
+    with sup:
+        for name, wave, delay, grace in (
+            ("worker", 1, 1.0, None),  # within the supervisor's grace, from its own SIGTERM
+            ("stuck", 2, 30.0, 0.5),  # overruns its own grace: killed, the next wave unharmed
+            ("frontend", 2, 1.2, None),
+        ):
+            argv = [sys.executable, "-c", GRACEFUL, str(logs[name]), str(delay)]
+            sup.spawn(ProcSpec(name, argv, stop_wave=wave, grace_s=grace))
+        assert _wait_for(lambda: sink.getvalue().count("up") == 3)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    assert "exit" in logs["frontend"].read_text()
+    assert "exit" in logs["worker"].read_text()  # drained, not SIGKILLed at a shared deadline
+    assert "exit" not in logs["stuck"].read_text()
+    assert took < 1.5 + 1.5 + 2  # two waves, each within its own grace
+
+
+# Exits with code 3 on its first run (no marker file yet), then serves.
+CRASH_ONCE = """
+import os, sys, time
+marker = sys.argv[1]
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    print("crashing", flush=True)
+    raise SystemExit(3)
+print("serving again", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_crashed_child_is_restarted_with_backoff_and_the_rest_serve_on(tmp_path) -> None:
+    from dualpath.local.supervisor import RestartPolicy
+
+    sink = io.StringIO()
+    sup = Supervisor(grace_s=1, sink=sink, restart=RestartPolicy(base_s=0.3))
+    with sup:
+        steady = sup.spawn(
+            ProcSpec("steady", [sys.executable, "-c", "import time; time.sleep(600)"])
+        )
+        flaky = sup.spawn(
+            ProcSpec("flaky", [sys.executable, "-c", CRASH_ONCE, str(tmp_path / "m")])
+        )
+        assert _wait_for(lambda: flaky.poll() == 3)
+        t0 = time.monotonic()
+        assert sup.heal() == []  # scheduled, not yet due
+        assert sup.children[1].proc is flaky
+        assert _wait_for(lambda: sup.heal() == [] and sup.restarts.get("flaky") == 1)
+        assert time.monotonic() - t0 >= 0.3  # after its backoff
+        assert _wait_for(lambda: "serving again" in sink.getvalue())
+        assert sup.children[1].proc.poll() is None and sup.children[0].proc is steady
+        assert steady.poll() is None  # never touched
+        assert "steady" not in sup.restarts
+
+
+def test_a_child_that_keeps_crashing_is_given_up_after_bounded_restarts() -> None:
+    from dualpath.local.supervisor import RestartPolicy
+
+    policy = RestartPolicy(max_restarts=2, base_s=0.05)
+    assert [policy.delay_s(n) for n in (1, 2, 3)] == [0.05, 0.1, 0.2]
+    assert RestartPolicy(base_s=1, max_s=4).delay_s(10) == 4
+    sup = Supervisor(grace_s=1, sink=io.StringIO(), restart=policy)
+    with sup:
+        sup.spawn(ProcSpec("doomed", [sys.executable, "-c", "raise SystemExit(7)"]))
+        gave_up: list = []
+        assert _wait_for(lambda: bool(gave_up.extend(sup.heal()) or gave_up), 20)
+        assert gave_up == [("doomed", 7)] and sup.restarts["doomed"] == 2

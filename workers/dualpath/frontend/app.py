@@ -9,6 +9,7 @@ its optional `cache_salt` field (`auth.cache_salt`), so tenants never share cach
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -47,6 +48,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str = "invalid_request_error",
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
@@ -56,9 +58,10 @@ class ApiError(Exception):
             code,
             type_,
         )
+        self.retry_after_s = retry_after_s
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        body = {
+    def body(self) -> dict[str, Any]:
+        return {
             "error": {
                 "message": self.message,
                 "type": self.type,
@@ -66,7 +69,67 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status, headers=headers)
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s))), **(headers or {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# Deepest JSON a request may nest: the API's own shapes need 3 (messages[i].content).
+MAX_JSON_DEPTH = 32
+# Most chat messages in one request.
+MAX_MESSAGES = 4096
+
+
+def check_json(obj: Any, path: str = "", depth: int = 0) -> None:
+    """Refuse what JSON can carry but the cluster cannot serve: absurd nesting and text that is
+    not encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"), naming the field."""
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(
+            400,
+            f"request body nests deeper than {MAX_JSON_DEPTH} levels (at {path or 'the top'})",
+            param=path or None,
+            code="invalid_json",
+        )
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ApiError(
+                400,
+                f"{path or 'body'}: text is not valid Unicode (lone surrogate "
+                f"{ascii(err.object[err.start : err.end])} at character {err.start}); "
+                "send UTF-8 text or a valid surrogate pair",
+                param=path or None,
+                code="invalid_text",
+            ) from None
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            check_json(key, f"{path}.<key>" if path else "<key>", depth + 1)
+            check_json(value, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            check_json(value, f"{path}.{i}" if path else str(i), depth + 1)
+
+
+def error_of(err: Exception) -> ApiError:
+    """The API's answer to a turn's failure: an ApiError as is, a cluster refusal with its
+    status (429 for overload, with Retry-After), anything else a logged 500."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, BackendError):
+        return ApiError(
+            err.status,
+            f"cluster {'overloaded' if err.status == 429 else 'unavailable'}: {err}",
+            code="overloaded" if err.status == 429 else "unavailable",
+            type_="rate_limit_error" if err.status == 429 else "server_error",
+            retry_after_s=err.retry_after_s,
+        )
+    log.error("turn failed: %s", err, exc_info=err)
+    return ApiError(
+        500, f"internal error: {type(err).__name__}", code="internal_error", type_="server_error"
+    )
 
 
 class AuthError(ApiError):
@@ -75,6 +138,7 @@ class AuthError(ApiError):
     def __init__(self, status: int, message: str, code: str, type_: str, headers: dict) -> None:
         super().__init__(status, message, code=code, type_=type_)
         self.headers = headers
+        self.retry_after_s = None  # the Retry-After of a rate limit is in `headers`
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return super().response({**self.headers, **(headers or {})})
@@ -104,7 +168,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Req):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
 def _session_key(sid: str | None, salt: bytes) -> str | None:
@@ -148,6 +212,13 @@ class _Metrics:
             "dualpath_frontend_requests_total",
             "HTTP API requests",
             ["endpoint", "code"],
+            registry=registry,
+        )
+        self.outcomes = Counter(
+            "dualpath_frontend_request_outcomes_total",
+            "HTTP API requests by final outcome: the finish reason (stop, length) or the "
+            "error code (invalid_parameter, overloaded, unavailable, cancelled, ...)",
+            ["endpoint", "outcome"],
             registry=registry,
         )
         self.tokens = Counter(
@@ -199,6 +270,7 @@ def create_app(
         registry.register(collector)
     sessions = Sessions()
     model_name = spec.model.name
+    buffer_tokens = spec.pool("decode").kv_buffer_bytes // spec.model.kv_bytes_per_token
     isolate = api_keys is not None and auth.isolate_tenants
 
     @asynccontextmanager
@@ -274,11 +346,17 @@ def create_app(
                     code="request_too_large",
                 )
         try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            obj = json.loads(body)
+        except RecursionError:
+            raise ApiError(
+                400, "request body is not valid JSON: nested too deeply", code="invalid_json"
+            ) from None
+        except ValueError as err:  # bad JSON or UTF-8, an integer of over 4300 digits
             raise ApiError(
                 400, f"request body is not valid JSON: {err}", code="invalid_json"
             ) from None
+        check_json(obj)
+        return obj
 
     def parse(model: type[_Req], obj: Any) -> Any:
         if not isinstance(obj, dict):
@@ -333,14 +411,28 @@ def create_app(
                 param="prompt",
                 code="context_length_exceeded",
             )
+        if len(ids) > buffer_tokens:  # no decode node could ever take it: not a retryable 503
+            raise ApiError(
+                400,
+                f"prompt ({len(ids)} tokens) exceeds the {buffer_tokens} tokens a decode "
+                "node's KV buffer holds (spec.decode.kvBufferBytes)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         turn = TurnRequest(rid, sid or "", ids, max_new, req.temperature, (tok.eos_id,), salt)
         return turn, sid or ""
 
     async def run_turn(
-        turn: TurnRequest, sid: str, text: str | None, stops: list[str], on_text=None
+        turn: TurnRequest,
+        sid: str,
+        text: str | None,
+        stops: list[str],
+        on_text=None,
+        on_start=None,
     ) -> dict[str, Any]:
-        """Drive a turn to the end; `on_text(str)` gets each text delta (streaming)."""
+        """Drive a turn to the end; `on_text(str)` gets each text delta (streaming),
+        `on_start()` is called once the backend has started serving it (its first event)."""
         t0 = time.perf_counter()
         dec = StreamDecoder(tok)
         out_ids: list[int] = []
@@ -351,6 +443,8 @@ def create_app(
         agen = backend.generate(turn)
         try:
             async for ev in agen:
+                if on_start is not None:
+                    on_start()
                 if isinstance(ev, Routed):
                     routed = ev
                     metrics.turns.labels(ev.read_path).inc()
@@ -410,6 +504,10 @@ def create_app(
             },
         }
 
+    def count(endpoint: str, status: int, outcome: str) -> None:
+        metrics.requests.labels(endpoint, str(status)).inc()
+        metrics.outcomes.labels(endpoint, outcome).inc()
+
     async def serve(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
@@ -427,22 +525,13 @@ def create_app(
             stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             created = int(time.time())
             if req.stream:
-                metrics.requests.labels(endpoint, "200").inc()
-                return StreamingResponse(
-                    _sse(turn, sid, text, stops, chat, created),
-                    media_type="text/event-stream",
-                    headers={"x-request-id": turn.request_id},
-                )
+                return await start_stream(endpoint, turn, sid, text, stops, chat, created)
             res = await run_turn(turn, sid, text, stops)
-        except ApiError as err:
-            metrics.requests.labels(endpoint, str(err.status)).inc()
+        except Exception as exc:  # noqa: BLE001 (every failure gets a status and is counted)
+            err = error_of(exc)
+            count(endpoint, err.status, err.code or "error")
             return err.response()
-        except BackendError as err:
-            metrics.requests.labels(endpoint, str(err.status)).inc()
-            return ApiError(
-                err.status, f"cluster unavailable: {err}", code="unavailable", type_="server_error"
-            ).response()
-        metrics.requests.labels(endpoint, "200").inc()
+        count(endpoint, 200, res["finish_reason"])
         choice: dict[str, Any] = {"index": 0, "finish_reason": res["finish_reason"]}
         if chat:
             choice["message"] = {"role": "assistant", "content": res["text"]}
@@ -460,12 +549,20 @@ def create_app(
             }
         )
 
-    async def _sse(
-        turn: TurnRequest, sid: str, text: str | None, stops: list[str], chat: bool, created: int
-    ) -> AsyncIterator[bytes]:
-        import asyncio
-
+    async def start_stream(
+        endpoint: str,
+        turn: TurnRequest,
+        sid: str,
+        text: str | None,
+        stops: list[str],
+        chat: bool,
+        created: int,
+    ) -> Response:
+        """SSE: the status is sent only once the backend has started serving the turn, so a
+        failure before that is a real 4xx/5xx (raised to `serve`); one after it is an SSE error
+        event with no finish chunk and no `[DONE]`, never an empty success."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        started = asyncio.Event()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, extra: dict | None = None) -> bytes:
@@ -489,37 +586,55 @@ def create_app(
 
         async def drive() -> None:
             try:
-                res = await run_turn(turn, sid, text, stops, on_text)
-                await queue.put(
-                    chunk(
-                        None,
-                        res["finish_reason"],
-                        {"usage": res["usage"], "dualpath": res["dualpath"]},
-                    )
-                )
-            except BackendError as err:
-                e = {
-                    "error": {
-                        "message": f"cluster unavailable: {err}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "unavailable",
-                    }
-                }
-                await queue.put(f"data: {json.dumps(e)}\n\n".encode())
-            finally:
+                res = await run_turn(turn, sid, text, stops, on_text, started.set)
+            except asyncio.CancelledError:
+                if started.is_set():  # the client went away mid-stream
+                    count(endpoint, 499, "cancelled")
+                raise
+            except Exception as exc:
+                if not started.is_set():
+                    raise  # `serve` answers with the status
+                err = error_of(exc)
+                count(endpoint, err.status, err.code or "error")
+                log.warning("turn %s failed mid-stream: %s", turn.request_id, err.message)
+                await queue.put(f"data: {json.dumps(err.body())}\n\n".encode())
                 await queue.put(None)
+                return
+            started.set()
+            count(endpoint, 200, res["finish_reason"])
+            extra = {"usage": res["usage"], "dualpath": res["dualpath"]}
+            await queue.put(chunk(None, res["finish_reason"], extra))
+            await queue.put(b"data: [DONE]\n\n")
+            await queue.put(None)
 
-        if chat:
-            yield f"data: {json.dumps({'id': turn.request_id, 'object': obj, 'created': created, 'model': model_name, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n".encode()  # noqa: E501
-        task = asyncio.create_task(drive())
+        task = asyncio.create_task(drive(), name=f"turn-{turn.request_id}")
+        waiter = asyncio.create_task(started.wait())
         try:
-            while (item := await queue.get()) is not None:
-                yield item
-            yield b"data: [DONE]\n\n"
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
         finally:
-            if not task.done():
-                task.cancel()
+            waiter.cancel()
+        if task.done() and not started.is_set():
+            task.result()  # raises the turn's failure
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if chat:
+                    role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+                    head = {"id": turn.request_id, "object": obj, "created": created}
+                    body = {**head, "model": model_name, "choices": [role]}
+                    yield f"data: {json.dumps(body)}\n\n".encode()
+                while (item := await queue.get()) is not None:
+                    yield item
+            finally:
+                if not task.done():
+                    task.cancel()
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"x-request-id": turn.request_id}
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -23,11 +23,13 @@ log = logging.getLogger(__name__)
 
 
 class BackendError(Exception):
-    """The cluster could not serve the turn; `status` is the HTTP status to answer with."""
+    """The cluster could not serve the turn; `status` is the HTTP status to answer with (429:
+    overloaded), `retry_after_s` when a retry later may succeed (the `Retry-After` header)."""
 
-    def __init__(self, message: str, status: int = 503) -> None:
+    def __init__(self, message: str, status: int = 503, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)

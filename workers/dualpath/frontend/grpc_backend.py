@@ -39,6 +39,16 @@ _NODE_FAULTS = frozenset(
         grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
+# Route refusals a client may retry after a while (the `Retry-After` of its 429 or 503).
+_ROUTE_TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+_ROUTE_RETRY_AFTER_S = 1.0
 # Deadline of one `Complete` (sent in the background): a scheduler down must not pile them up.
 COMPLETE_TIMEOUT_S = 5.0
 
@@ -94,7 +104,7 @@ class GrpcBackend:
             )
         except grpc.aio.AioRpcError as err:
             return False, f"scheduler {self.scheduler_address}: {err.code().name}"
-        roles = {n.role for n in view.nodes if n.healthy}
+        roles = {n.role for n in view.nodes if n.healthy and not n.load.draining}
         if {1, 2} - roles:
             return False, f"waiting for workers ({len(view.nodes)} registered)"
         return True, f"{len(view.nodes)} nodes, policy {view.policy}"
@@ -126,7 +136,9 @@ class GrpcBackend:
                 raise
             except BackendError as err:
                 if first_error:  # nowhere else to go: the turn's own failure is the answer
-                    raise BackendError(f"{first_error} (no retry: {err})") from None
+                    raise BackendError(
+                        f"{first_error} (no retry: {err})", err.status, err.retry_after_s
+                    ) from None
                 raise
             generated, ok, cancelled, started, failed = 0, False, True, False, ""
             try:
@@ -176,7 +188,14 @@ class GrpcBackend:
                 exclude_nodes=exclude,
             )
         except grpc.aio.AioRpcError as err:
-            raise BackendError(f"scheduler Route: {err.code().name}: {err.details()}") from None
+            code = err.code()
+            # no node can take it now (queues or buffers full): 429, retry later; a scheduler
+            # unreachable or restarting: 503, retry later; anything else: 503
+            status = 429 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 503
+            retry = _ROUTE_RETRY_AFTER_S if code in _ROUTE_TRANSIENT else None
+            raise BackendError(
+                f"scheduler Route: {code.name}: {err.details()}", status, retry
+            ) from None
 
     async def _stream(self, req: TurnRequest, route) -> AsyncIterator[Event]:  # noqa: ANN001
         from dualpath.v1 import worker_pb2

@@ -58,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
             f"scheduler={cluster.endpoints.scheduler}",
             flush=True,
         )
-        while not stop.wait(0.5):
-            dead = cluster.supervisor.exited()
-            if dead:
+        while not stop.wait(0.2):
+            gave_up = cluster.supervisor.heal()  # a crashed process restarts, the rest serve on
+            if gave_up:
                 log.error(
-                    "process exited: %s; stopping the cluster",
-                    ", ".join(f"{n} (code {rc})" for n, rc in dead),
+                    "process crashed %d times in a row: %s; stopping the cluster",
+                    cluster.supervisor.restart.max_restarts + 1,
+                    ", ".join(f"{n} (code {rc})" for n, rc in gave_up),
                 )
                 return 1
         log.info("stopping local cluster")

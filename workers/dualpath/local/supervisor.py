@@ -1,6 +1,7 @@
 """A small process supervisor: each child in its own process group, health-checked start,
-log lines forwarded with a `[name]` prefix, and a clean stop (SIGTERM to the group, SIGKILL
-after a grace period) that leaves no process behind.
+log lines forwarded with a `[name]` prefix, restarts of a crashed child with exponential
+backoff (as a kubelet restarts a container; `heal()`), and a clean stop (SIGTERM to the group,
+SIGKILL after each wave's grace) that leaves no process behind.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class ProcSpec:
     # stop order: higher waves get SIGTERM first and are waited for before the next wave
     # (the frontend, then the workers, which tell the scheduler they drain, then the scheduler)
     stop_wave: int = 0
+    # SIGTERM to SIGKILL for this process, counted from its own wave's SIGTERM (None: the
+    # supervisor's grace); a slow wave never eats the grace of the next one
+    grace_s: float | None = None
 
 
 @dataclass
@@ -87,6 +91,23 @@ class _Child:
     spec: ProcSpec
     proc: subprocess.Popen
     pump: threading.Thread
+    started_s: float = 0.0  # monotonic time of the current process's start
+    crashes: int = 0  # exits in a row without a stable run between them
+    restart_at_s: float | None = None  # a restart is due at this monotonic time
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """Restart a crashed child after `base_s * 2**n` (at most `max_s`) for its n-th crash in a
+    row, up to `max_restarts` in a row; a run of `stable_s` or more resets the count."""
+
+    max_restarts: int = 5
+    base_s: float = 0.5
+    max_s: float = 30.0
+    stable_s: float = 60.0
+
+    def delay_s(self, crashes: int) -> float:
+        return min(self.base_s * 2 ** max(0, crashes - 1), self.max_s)
 
 
 def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
@@ -101,9 +122,15 @@ class Supervisor:
     """Owns its children: `stop()` (or leaving the `with` block) ends every one of them."""
 
     def __init__(
-        self, grace_s: float = 5.0, sink: IO[str] | None = None, prefix_width: int = 10
+        self,
+        grace_s: float = 5.0,
+        sink: IO[str] | None = None,
+        prefix_width: int = 10,
+        restart: RestartPolicy | None = None,
     ) -> None:
         self.grace_s = grace_s
+        self.restart = restart or RestartPolicy()
+        self.restarts: dict[str, int] = {}  # restarts done, per child name
         self.sink = sink or sys.stderr
         self.prefix_width = prefix_width
         self.children: list[_Child] = []
@@ -130,6 +157,11 @@ class Supervisor:
         stream.close()
 
     def spawn(self, spec: ProcSpec) -> subprocess.Popen:
+        proc, pump = self._launch(spec)
+        self.children.append(_Child(spec, proc, pump, time.monotonic()))
+        return proc
+
+    def _launch(self, spec: ProcSpec) -> tuple[subprocess.Popen, threading.Thread]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         proc = subprocess.Popen(
             spec.argv,
@@ -143,9 +175,47 @@ class Supervisor:
             target=self._pump, args=(spec.name, proc.stdout), name=f"log-{spec.name}", daemon=True
         )
         pump.start()
-        self.children.append(_Child(spec, proc, pump))
         log.info("started %s (pid %d)", spec.name, proc.pid)
-        return proc
+        return proc, pump
+
+    def heal(self) -> list[tuple[str, int]]:
+        """Restart children that exited, each after its backoff, the others serving on; call
+        it periodically. Returns the children given up on (name, exit code): they crashed
+        `restart.max_restarts` times in a row."""
+        if self._stopping:
+            return []
+        now = time.monotonic()
+        gave_up: list[tuple[str, int]] = []
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is None:
+                if c.crashes and now - c.started_s >= self.restart.stable_s:
+                    c.crashes = 0  # a stable run: the next crash starts a new streak
+                continue
+            if c.restart_at_s is None:  # a new exit
+                if now - c.started_s >= self.restart.stable_s:
+                    c.crashes = 0
+                c.crashes += 1
+                if c.crashes > self.restart.max_restarts:
+                    gave_up.append((c.spec.name, rc))
+                    continue
+                delay = self.restart.delay_s(c.crashes)
+                c.restart_at_s = now + delay
+                log.error(
+                    "%s exited with code %d: restarting in %.1fs (%d of %d in a row)",
+                    c.spec.name,
+                    rc,
+                    delay,
+                    c.crashes,
+                    self.restart.max_restarts,
+                )
+            elif now >= c.restart_at_s:
+                _signal_group(c.proc, signal.SIGKILL)  # what it left in its group
+                c.pump.join(timeout=1)
+                c.proc, c.pump = self._launch(c.spec)
+                c.started_s, c.restart_at_s = now, None
+                self.restarts[c.spec.name] = self.restarts.get(c.spec.name, 0) + 1
+        return gave_up
 
     def wait_ready(self, names: list[str] | None = None) -> None:
         """Poll every named child's health URL until 200; raise if one exits or times out."""
@@ -189,20 +259,27 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM the groups wave by wave (highest `stop_wave` first, last started first
-        within a wave), SIGKILL what is left after the grace."""
+        within a wave), SIGKILL what is left of a wave after its own grace (each process's
+        `grace_s`, counted from that wave's SIGTERM), then the next wave."""
         if self._stopping:
             return
         self._stopping = True
-        deadline = time.monotonic() + self.grace_s
         for wave in sorted({c.spec.stop_wave for c in self.children}, reverse=True):
             group = [c for c in reversed(self.children) if c.spec.stop_wave == wave]
+            t0 = time.monotonic()
             for c in group:
                 _signal_group(c.proc, signal.SIGTERM)
             for c in group:
+                grace = self.grace_s if c.spec.grace_s is None else c.spec.grace_s
                 try:
-                    c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    c.proc.wait(timeout=max(0.0, t0 + grace - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s ignored SIGTERM for %.1fs: SIGKILL", c.spec.name, self.grace_s)
+                    log.warning(
+                        "%s ignored SIGTERM for %.1fs: SIGKILL",
+                        c.spec.name,
+                        time.monotonic() - t0,
+                    )
+                    _signal_group(c.proc, signal.SIGKILL)
         for c in self.children:
             # The group may hold grandchildren even when the leader is gone.
             _signal_group(c.proc, signal.SIGKILL)

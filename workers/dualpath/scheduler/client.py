@@ -129,6 +129,7 @@ class NodeAgent:
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self.registrations = 0
+        self.registered = False  # the scheduler knows this node now (its heartbeats flow)
         self.refusals = 0  # registrations refused in a row (another process holds the id)
         # one per process start: the scheduler tells a restarted process from a second one
         self.incarnation = uuid.uuid4().hex[:16]
@@ -156,6 +157,7 @@ class NodeAgent:
             wait_for_ready=True,
         )
         self.registrations += 1
+        self.registered = True
         self.refusals = 0
         if resp.heartbeat_interval_ms:
             self.interval_s = resp.heartbeat_interval_ms / 1000.0
@@ -184,10 +186,13 @@ class NodeAgent:
                         log.warning(
                             "scheduler does not know %s: registering again", self.reg.node_id
                         )
+                        self.registered = False
                         break
             except asyncio.CancelledError:
+                self.registered = False
                 raise
             except grpc.aio.AioRpcError as err:
+                self.registered = False
                 if self._stopping.is_set():
                     break
                 if err.code() == grpc.StatusCode.ALREADY_EXISTS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
@@ -29,6 +30,54 @@ log = logging.getLogger(__name__)
 _ROLE = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
 _PATH = {ReadPath.PREFILL: pb.READ_PATH_PREFILL, ReadPath.DECODE: pb.READ_PATH_DECODE}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+# Bounds of what a request may claim: far above any real model or node, far below what would
+# overflow the policy's arithmetic (an int64 of 2^63-1 tokens times bytes per token).
+MAX_TOKENS = 1 << 32
+MAX_BYTES = 1 << 50  # 1 PiB
+MAX_QUEUE_TIMEOUT_S = 3600.0
+
+
+def _out_of_range(field: str, value: float, hi: float) -> str | None:
+    if not math.isfinite(value) or value < 0 or value > hi:
+        return f"{field} must be in [0, {hi:g}]; got {value!r}"
+    return None
+
+
+def route_request_problem(r: pb.RouteRequest) -> str | None:
+    """What makes a RouteRequest unservable, naming the field; None: it is well-formed."""
+    if r.prompt_tokens <= 0:
+        return f"prompt_tokens must be > 0; got {r.prompt_tokens}"
+    return (
+        _out_of_range("prompt_tokens", r.prompt_tokens, MAX_TOKENS)
+        or _out_of_range("context_bytes", r.context_bytes, MAX_BYTES)
+        or _out_of_range("max_new_tokens", r.max_new_tokens, MAX_TOKENS)
+        or _out_of_range("queue_timeout_s", r.queue_timeout_s, MAX_QUEUE_TIMEOUT_S)
+    )
+
+
+def load_problem(prefix: str, load: pb.NodeLoad) -> str | None:
+    return (
+        _out_of_range(f"{prefix}.read_pending_bytes", load.read_pending_bytes, MAX_BYTES)
+        or _out_of_range(f"{prefix}.tokens_queued", load.tokens_queued, MAX_TOKENS)
+        or _out_of_range(f"{prefix}.tokens_running", load.tokens_running, MAX_TOKENS)
+        or _out_of_range(f"{prefix}.requests_running", load.requests_running, MAX_TOKENS)
+        or _out_of_range(f"{prefix}.buffer_free_bytes", load.buffer_free_bytes, MAX_BYTES)
+    )
+
+
+def register_request_problem(r: pb.RegisterRequest) -> str | None:
+    """What makes a RegisterRequest unusable, naming the field; None: it is well-formed."""
+    if not r.node_id or r.role not in _ROLE:
+        return "node_id and role are required"
+    host, sep, port = r.address.rpartition(":")
+    if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
+        return f"address must be host:port; got {r.address!r}"
+    return (
+        _out_of_range("snic_bytes_per_s", r.snic_bytes_per_s, float(MAX_BYTES))
+        or _out_of_range("prefill_tokens_per_s", r.prefill_tokens_per_s, float(MAX_TOKENS))
+        or load_problem("load", r.load)
+    )
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -50,9 +99,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._changed = asyncio.Event()
 
     async def Register(self, request, context):  # noqa: N802 (gRPC API)
-        role = _ROLE.get(request.role)
-        if role is None or not request.node_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id and role are required")
+        problem = register_request_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RegisterRequest: {problem}")
+        role = _ROLE[request.role]
         load = request.load
         state = NodeState(
             node_id=request.node_id,
@@ -181,8 +231,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         m.INDEX_READY.set(1 if index.ready else 0)
 
     async def Route(self, request, context):  # noqa: N802
-        if request.prompt_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be > 0")
+        problem = route_request_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RouteRequest: {problem}")
         try:
             keys = keys_view(request.block_keys)
         except ValueError as err:

@@ -330,8 +330,11 @@ class WorkerNode:
             return False, "starting"
         if self.draining:
             return False, "draining"
-        if self._agent is not None and not self._agent.registrations:
-            return False, "not registered with the scheduler yet"
+        if self._agent is not None and not self._agent.registered:
+            return False, (
+                "not registered with the scheduler "
+                + ("(registering again)" if self._agent.registrations else "yet")
+            )
         return True, f"{self.role.value} {self.node_id} ok"
 
     # ---- helpers for the roles -------------------------------------------------------------
