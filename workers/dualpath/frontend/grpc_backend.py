@@ -15,6 +15,8 @@ import grpc
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
+from dualpath.grpc_auth import ClusterToken
+from dualpath.grpc_auth import channel as token_channel
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
 
@@ -29,7 +31,9 @@ class GrpcBackend:
         config: ClusterConfig,
         scheduler_address: str,
         timeout_s: float = 900.0,  # a whole turn: queueing behind other prefills included
+        token: ClusterToken | None = None,  # presented on every scheduler and worker call
     ) -> None:
+        self.token = token
         self.config = config
         self.model = config.spec.model
         self.scheduler_address = scheduler_address
@@ -40,7 +44,7 @@ class GrpcBackend:
     async def start(self) -> None:
         from dualpath.scheduler.client import SchedulerClient
 
-        self._sched = SchedulerClient(self.scheduler_address, timeout_s=30.0)
+        self._sched = SchedulerClient(self.scheduler_address, timeout_s=30.0, token=self.token)
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -69,7 +73,7 @@ class GrpcBackend:
 
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = token_channel(address, self.token)
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:
