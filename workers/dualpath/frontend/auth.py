@@ -103,7 +103,7 @@ class ApiKeys:
         if self._signature:
             log.info("keys at %s changed: %d keys now", self.path, len(keys))
         self._signature = sig
-        self._first = keys[0]
+        self._first = keys[0] if keys else ""
         # kept as digests: every comparison is of 32 bytes, so not even a key's length leaks
         self._keys = [(_digest(k), key_id(k)) for k in dict.fromkeys(keys)]
 
