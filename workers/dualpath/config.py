@@ -670,6 +670,12 @@ class FrontendAuthSpec(_Model):
     """Per-key rate limit (a token bucket; over it: 429 with Retry-After); 0: unlimited."""
     burst: int = Field(default=0, ge=0, le=100_000)
     """Requests a key may make at once above the rate; 0: one second's worth (at least 1)."""
+    isolate_tenants: bool = True
+    """With API keys: each key's tenant (its Secret data entry) gets its own KV cache (a salt
+    seeds its block ids), so tenants never share or probe each other's cached prefixes; a
+    prefix common to several tenants (a shared system prompt) is stored once per tenant.
+    false: one shared cache for every key (a single-tenant cluster). No effect without keys;
+    a request's `cache_salt` partitions the cache further either way."""
 
 
 class FrontendSpec(_Model):

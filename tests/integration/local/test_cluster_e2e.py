@@ -120,6 +120,33 @@ def _assert_grpc_needs_the_token(cl: LocalCluster) -> None:
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_tenants_of_a_keyed_cluster_never_hit_each_others_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """API keys from a Secret-like directory, one entry per tenant (the frontend process reads
+    $DUALPATH_API_KEYS_FILE): tenant A's second turn hits its first turn's blocks; tenant B,
+    same prompts, gets 0 cached tokens on its first turn, then hits its own copy."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "team-a").write_text("sk-team-a\n")
+    (keys / "team-b").write_text("sk-team-b\n")
+    monkeypatch.setenv("DUALPATH_API_KEYS_FILE", str(keys))
+    cfg = _cfg(tmp_path, "dualpath")
+    model = cfg.spec.model.name
+    with LocalCluster(cfg, tmp_path / "tenants", sink=io.StringIO(), grace_s=3) as cl:
+        with httpx.Client(base_url=cl.endpoints.frontend, timeout=120) as c:
+            assert (
+                c.post("/v1/completions", json={"model": model, "prompt": "a"}).status_code == 401
+            )
+            cached = {}
+            for tenant in ("team-a", "team-b"):
+                c.headers["Authorization"] = f"Bearer sk-{tenant}"
+                turns = _session(c, model, "s1")  # the same session id and prompts
+                cached[tenant] = [t["usage"]["cached_tokens"] for t in turns]
+    assert cached["team-a"][0] == 0 and all(n > 0 for n in cached["team-a"][1:])
+    assert cached["team-b"] == cached["team-a"]  # B starts cold: nothing of A's is hit
+
+
 def _descendants(pid: int) -> set[int]:
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):

@@ -104,8 +104,9 @@ async def decode(cluster):
     await node.stop()
 
 
-def _request(cfg, address, rid, prompt, hit, path, max_new=6):
+def _request(cfg, address, rid, prompt, hit, path, max_new=6, salt=b""):
     return wpb.GenerateRequest(
+        cache_salt=salt,
         request_id=rid,
         prompt_tokens=prompt,
         hit_tokens=hit,
@@ -209,6 +210,49 @@ async def test_a_hit_the_index_offers_but_storage_lost_ends_at_the_gap(cluster, 
         assert decode.store.check(ids[:3]) == (3, [])  # the turn wrote block 1 again
 
 
+async def test_a_tenant_hits_its_own_blocks_and_never_anothers(cluster, decode):
+    """Two tenants (cache salts), one prompt: A's second turn reads A's first turn's blocks on
+    either path; B, even when told of a hit (a route it should never get), reads nothing of
+    A's and recomputes, with the same answer."""
+    cfg, address = cluster
+    model = cfg.spec.model
+    salt_a, salt_b = b"a" * 32, b"b" * 31
+    g = torch.Generator().manual_seed(17)
+    prompt = torch.randint(4, model.vocab_size, (50,), generator=g).tolist()
+    gen1, _ = await _generate(
+        decode, _request(cfg, address, "a1", prompt, 0, 0, max_new=3, salt=salt_a)
+    )
+    ctx = prompt + gen1 + [7, 8, 9]
+    hit = decode.store.lookup(block_ids(ctx, model, salt=salt_a)) * BT
+    assert hit == 48  # A's turn stored its blocks under A's salt...
+    assert decode.store.lookup(block_ids(ctx, model, salt=salt_b)) == 0  # ...not B's
+    assert decode.store.lookup(block_ids(ctx, model)) == 0  # nor the shared chain
+    clean, _ = await _generate(decode, _request(cfg, address, "ab-ref", ctx, 0, 0, salt=b"r"))
+    for enum in (spb.READ_PATH_PREFILL, spb.READ_PATH_DECODE):
+        req = _request(cfg, address, f"a2-{enum}", ctx, hit, enum, salt=salt_a)
+        tokens, head = await _generate(decode, req)
+        assert head.hit_tokens == hit and head.read_path == enum and tokens == clean
+        b = salt_b + bytes([enum])  # a fresh tenant per path: B's turn stores B's own copy
+        req = _request(cfg, address, f"b2-{enum}", ctx, hit, enum, salt=b)
+        tokens, head = await _generate(decode, req)
+        assert head.hit_tokens == 0 and tokens == clean  # nothing of A's was read
+        assert decode.store.lookup(block_ids(ctx, model, salt=b)) * BT >= hit  # its own copy
+    # an oversized salt is refused by both workers, naming the field
+    with pytest.raises(ValueError, match="cache_salt is 65 bytes"):
+        await _generate(decode, _request(cfg, address, "x", ctx, 0, 0, salt=b"x" * 65))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await (
+            decode.worker_stub(address)
+            .Prefill(
+                wpb.PrefillRequest(request_id="x", prompt_tokens=ctx, cache_salt=b"x" * 65),
+                timeout=10,
+            )
+            .read()
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in err.value.details()
+
+
 async def test_transfer_info_names_the_agent_role_and_config(cluster, decode):
     cfg, address = cluster
     info = await decode.worker_stub(address).GetTransferInfo(wpb.TransferInfoRequest(), timeout=10)
@@ -288,3 +332,34 @@ async def test_a_hit_on_a_failing_store_is_recomputed_within_the_bound(
     monkeypatch.undo()
     assert tokens == clean and head.hit_tokens == hit
     assert touch._value.get() > before
+
+
+async def test_cancelled_turns_free_their_buffers_at_once_not_after_a_deadline(cluster, decode):
+    """20 client disconnects mid-turn: the prefill exchanges in flight run to their end and
+    free their regions then; nothing waits out the 20 s transfer deadline (a quarantine would
+    leave no decode buffer to route to)."""
+    import asyncio
+
+    cfg, address = cluster
+    model = cfg.spec.model
+    g = torch.Generator().manual_seed(5)
+    pool = decode.transfer.pool
+
+    async def turn(i):
+        prompt = torch.randint(4, model.vocab_size, (200,), generator=g).tolist()
+        return await _generate(decode, _request(cfg, address, f"c{i}", prompt, 0, 0, 40))
+
+    tasks = [asyncio.create_task(turn(i)) for i in range(20)]
+    await asyncio.sleep(0.05)
+    for i, t in enumerate(tasks):  # some in their prefill exchange, some decoding
+        await asyncio.sleep(0.01 * (i % 3))
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    t0 = time.monotonic()
+    while pool.free_bytes < pool.nbytes and time.monotonic() - t0 < 10.0:
+        await asyncio.sleep(0.02)
+    assert pool.free_bytes == pool.nbytes, f"{pool.regions} regions still held"
+    assert time.monotonic() - t0 < 10.0  # well under the 20 s deadline
+    prompt = torch.randint(4, model.vocab_size, (70,), generator=g).tolist()
+    gen, _ = await _generate(decode, _request(cfg, address, "after", prompt, 0, 0))
+    assert len(gen) == 6

@@ -27,6 +27,31 @@ def test_ids_continue_from_parent_and_depend_on_model():
     assert block_ids(toks, other)[0] != full[0]
 
 
+def test_a_salt_seeds_the_whole_chain_and_the_empty_salt_is_the_plain_chain():
+    toks = list(range(256))
+    plain = block_ids(toks, TINY)
+    assert block_ids(toks, TINY, salt=b"") == plain  # stores written before salts stay valid
+    a = block_ids(toks, TINY, salt=b"tenant-a")
+    b = block_ids(toks, TINY, salt=b"tenant-b")
+    # no id in common between salts, at any depth: a tenant cannot probe another's blocks
+    assert not set(a) & set(b) and not set(a) & set(plain)
+    assert block_ids(toks, TINY, salt=b"tenant-a") == a  # stable
+    # the chain property holds within a salt: a prefix's ids are the sequence's first ids,
+    # and a parent continues the salted chain (it carries the salt)
+    assert block_ids(toks[:128], TINY, salt=b"tenant-a") == a[:2]
+    assert block_ids(toks[128:], TINY, parent=a[1]) == a[2:]
+    # salts of different lengths do not collide by concatenation with what follows
+    assert block_ids(toks, TINY, salt=b"ab")[0] != block_ids(toks, TINY, salt=b"a")[0]
+    assert block_ids(toks, TINY, salt=b"\0")[0] != plain[0]
+
+
+def test_ids_refuse_bad_salts():
+    with pytest.raises(ValueError, match="cache_salt is 65 bytes"):
+        block_ids(list(range(64)), TINY, salt=b"x" * 65)
+    with pytest.raises(TypeError, match="bytes"):
+        block_ids(list(range(64)), TINY, salt="tenant")  # type: ignore[arg-type]
+
+
 def test_ids_refuse_bad_tokens():
     with pytest.raises(ValueError, match="token ids"):
         block_ids([-1] * 64, TINY)

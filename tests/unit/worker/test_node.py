@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 from dualpath.config import ClusterConfig, Role
 from dualpath.worker.node import NodeOptions, WorkerNode
@@ -23,3 +26,34 @@ def test_advertised_address(advertise, advertise_host, want):
     )
     node.port = 7000
     assert node.address == want
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+
+    def free(self, region: str) -> None:
+        self.freed.append(region)
+
+
+class _Reading:
+    busy = True
+
+
+async def test_a_buffer_waits_for_a_storage_read_still_writing_into_it():
+    # a stuck read's pool thread writes into the request's buffer whenever it returns: the
+    # regions must not go back to the pool (and to the next request) before it has
+    node = WorkerNode(ClusterConfig(), NodeOptions(Role.DECODE, "decode-0"))
+    node.transfer = SimpleNamespace(pool=_Pool())
+    reading = _Reading()
+    node.release(["r0", "r1"], 0.0, reading)
+    await asyncio.sleep(0.2)
+    assert node.transfer.pool.freed == []
+    reading.busy = False
+    for _ in range(40):
+        if node.transfer.pool.freed:
+            break
+        await asyncio.sleep(0.05)
+    assert node.transfer.pool.freed == ["r0", "r1"]
+    node.release(["r2"], 0.0, reading)  # a read that is done frees at once
+    assert node.transfer.pool.freed == ["r0", "r1", "r2"]

@@ -3,6 +3,8 @@
 shutdown. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 With API keys (`frontend.auth`, `--api-keys`), every /v1 call needs `Authorization: Bearer`
 (401 without a current key, 429 over the key's rate); `/health` and `/metrics` stay open.
+Each request's block ids are salted with its key's tenant (`frontend.auth.isolateTenants`) and
+its optional `cache_salt` field (`auth.cache_salt`), so tenants never share cached KV.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dualpath.config import ClusterConfig
-from dualpath.frontend.auth import ApiKeys, TokenBuckets
+from dualpath.frontend.auth import ApiKeys, TokenBuckets, cache_salt
 from dualpath.frontend.backend import Backend, BackendError, Finished, Routed, Tokens, TurnRequest
 from dualpath.frontend.tokenizer import ByteTokenizer, StreamDecoder
 
@@ -88,6 +90,8 @@ class _Req(BaseModel):
     session_id: str | None = None
     user: str | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # as vLLM's: partitions the caller's (its tenant's) cache further; never crosses tenants
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class CompletionRequest(_Req):
@@ -101,6 +105,11 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Req):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _session_key(sid: str | None, salt: bytes) -> str | None:
+    """Sessions are per cache salt: one tenant's session id never reaches another's history."""
+    return f"{salt.hex()}/{sid}" if sid and salt else sid
 
 
 @dataclass(slots=True)
@@ -186,8 +195,11 @@ def create_app(
     tok = ByteTokenizer(spec.model.vocab_size)
     registry = registry or CollectorRegistry()
     metrics = _Metrics(registry)
+    for collector in getattr(backend, "collectors", ()):  # the backend's own (retries, ...)
+        registry.register(collector)
     sessions = Sessions()
     model_name = spec.model.name
+    isolate = api_keys is not None and auth.isolate_tenants
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,10 +215,11 @@ def create_app(
     app.state.sessions = sessions
     app.state.tokenizer = tok
 
-    def authorize(request: Request) -> None:
-        """Raises AuthError unless the request carries a current key within its rate."""
+    def authorize(request: Request) -> str:
+        """The caller's tenant ("" without keys or tenant isolation); raises AuthError unless
+        the request carries a current key within its rate."""
         if api_keys is None:
-            return
+            return ""
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         presented = presented.strip()
         if scheme.lower() != "bearer" or not presented:
@@ -218,8 +231,8 @@ def create_app(
                 type_="invalid_request_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        kid = api_keys.match(presented)
-        if kid is None:
+        found = api_keys.identify(presented)
+        if found is None:
             metrics.auth_refused.labels("invalid").inc()
             raise AuthError(
                 401,
@@ -228,6 +241,7 @@ def create_app(
                 type_="authentication_error",
                 headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
             )
+        kid, tenant = found
         if buckets is not None and (wait := buckets.take(kid)) > 0:
             metrics.auth_refused.labels("rate_limited").inc()
             raise AuthError(
@@ -238,6 +252,7 @@ def create_app(
                 type_="rate_limit_error",
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
+        return tenant if isolate else ""
 
     async def read_json(request: Request) -> Any:
         declared = request.headers.get("content-length")
@@ -286,11 +301,12 @@ def create_app(
         return req
 
     def turn_for(
-        req: _Req, text: str | None, ids: list[int] | None, request: Request
+        req: _Req, text: str | None, ids: list[int] | None, request: Request, tenant: str
     ) -> tuple[TurnRequest, str]:
         sid = req.session_id or request.headers.get("x-session-id") or req.user
+        salt = cache_salt(tenant, req.cache_salt)
         if ids is None:
-            ids = sessions.prompt_ids(sid, text or "", tok)
+            ids = sessions.prompt_ids(_session_key(sid, salt), text or "", tok)
         if not ids:
             raise ApiError(400, "prompt is empty", param="prompt", code="invalid_parameter")
         if any(i < 0 or i >= tok.vocab_size for i in ids):
@@ -318,7 +334,8 @@ def create_app(
                 code="context_length_exceeded",
             )
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        return TurnRequest(rid, sid or "", ids, max_new, req.temperature, (tok.eos_id,)), sid or ""
+        turn = TurnRequest(rid, sid or "", ids, max_new, req.temperature, (tok.eos_id,), salt)
+        return turn, sid or ""
 
     async def run_turn(
         turn: TurnRequest, sid: str, text: str | None, stops: list[str], on_text=None
@@ -371,7 +388,9 @@ def create_app(
             metrics.tokens.labels("hit").inc(routed.hit_tokens)
         metrics.latency.observe(time.perf_counter() - t0)
         if text is not None:
-            sessions.remember(sid, text + out_text, turn.prompt_ids + out_ids)
+            sessions.remember(
+                _session_key(sid, turn.cache_salt), text + out_text, turn.prompt_ids + out_ids
+            )
         return {
             "text": out_text,
             "finish_reason": finish,
@@ -394,7 +413,7 @@ def create_app(
     async def serve(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
-            authorize(request)
+            tenant = authorize(request)
             obj = await read_json(request)
             req = parse(ChatRequest if chat else CompletionRequest, obj)
             if chat:
@@ -404,7 +423,7 @@ def create_app(
                 text, ids = None, list(req.prompt)
             else:
                 text, ids = req.prompt, None
-            turn, sid = turn_for(req, text, ids, request)
+            turn, sid = turn_for(req, text, ids, request, tenant)
             stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             created = int(time.time())
             if req.stream:

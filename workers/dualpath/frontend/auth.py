@@ -8,6 +8,12 @@ file's (or the directory's) modification time, size or inode changes, checked at
 key's SHA-256 is compared with every key's in constant time (`hmac.compare_digest` over equal
 lengths, no early exit).
 Requests are counted per key by the SHA-256 prefix of the key, never the key itself.
+
+Tenants (the cache salt, docs/kv.md): a key's tenant is the name of the file it is in when the
+keys come from a directory (a Secret's data entry: the keys of one entry are one tenant, so a
+key rotated within its entry keeps the tenant's cached KV), and the key's own id when they come
+from one file (each key its own tenant). `cache_salt` turns a tenant and a request's
+`cache_salt` into the bytes that seed the request's block-id chain.
 """
 
 from __future__ import annotations
@@ -39,6 +45,22 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+_SALT_DOMAIN = b"dualpath-cache-salt-v1\0"
+
+
+def cache_salt(tenant: str, request_salt: str | None = None) -> bytes:
+    """The salt of a request's block-id chain: empty (the shared chain) when there is neither
+    a tenant nor a request salt, else SHA-256 over both. The tenant always enters: a caller's
+    `cache_salt` only partitions its own tenant's cache further, it cannot name another's (a
+    tenant has no NUL, so (tenant, salt) pairs never collide)."""
+    if not tenant and not request_salt:
+        return b""
+    if "\0" in tenant:
+        raise ValueError("a tenant name must not contain NUL")
+    raw = _SALT_DOMAIN + tenant.encode() + b"\0" + (request_salt or "").encode()
+    return hashlib.sha256(raw).digest()
+
+
 def parse_keys(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
@@ -58,7 +80,7 @@ class ApiKeys:
         self.recheck_s = recheck_s
         self._clock = clock
         self._signature: tuple = ()
-        self._keys: list[tuple[bytes, str]] = []
+        self._keys: list[tuple[bytes, str, str]] = []  # (digest, key id, tenant)
         self._first = ""  # the file's first key: what a client holding the file presents
         self._checked = -math.inf
         if not self.path.exists():
@@ -92,7 +114,11 @@ class ApiKeys:
             sig = self._stat_signature()
             if sig == self._signature:
                 return
-            keys = [k for p in self._files() for k in parse_keys(p.read_text())]
+            from_dir = self.path.is_dir()
+            keys = {}
+            for p in self._files():
+                for k in parse_keys(p.read_text()):
+                    keys.setdefault(k, p.name if from_dir else f"key-{key_id(k)}")
         except OSError as err:
             # mid-rotation or removed: keep serving with the keys we have
             log.warning("keys at %s unreadable (%s); keeping the previous keys", self.path, err)
@@ -101,11 +127,16 @@ class ApiKeys:
             log.warning("keys at %s hold no key; keeping the previous keys", self.path)
             return
         if self._signature:
-            log.info("keys at %s changed: %d keys now", self.path, len(keys))
+            log.info(
+                "keys at %s changed: %d keys of %d tenants now",
+                self.path,
+                len(keys),
+                len(set(keys.values())),
+            )
         self._signature = sig
-        self._first = keys[0] if keys else ""
+        self._first = next(iter(keys), "")  # (a dict keeps the file's order)
         # kept as digests: every comparison is of 32 bytes, so not even a key's length leaks
-        self._keys = [(_digest(k), key_id(k)) for k in dict.fromkeys(keys)]
+        self._keys = [(_digest(k), key_id(k), tenant) for k, tenant in keys.items()]
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -119,12 +150,17 @@ class ApiKeys:
     def match(self, presented: str) -> str | None:
         """The key id of `presented` if it is a current key, else None (constant time per key,
         every key compared)."""
+        found = self.identify(presented)
+        return found[0] if found else None
+
+    def identify(self, presented: str) -> tuple[str, str] | None:
+        """(key id, tenant) of `presented` if it is a current key, else None."""
         self._refresh()
         given = _digest(presented)
-        found: str | None = None
-        for digest, kid in self._keys:
+        found: tuple[str, str] | None = None
+        for digest, kid, tenant in self._keys:
             if hmac.compare_digest(digest, given):
-                found = kid
+                found = (kid, tenant)
         return found
 
 

@@ -38,6 +38,7 @@ class TurnRequest:
     max_new_tokens: int
     temperature: float = 0.0
     stop_ids: tuple[int, ...] = ()
+    cache_salt: bytes = b""  # seeds the block-id chain (auth.cache_salt); b"": shared cache
 
 
 @dataclass(slots=True)
@@ -98,9 +99,9 @@ class FakeBackend:
     async def health(self) -> tuple[bool, str]:
         return (self.healthy, "ok" if self.healthy else "fake backend marked unhealthy")
 
-    def hit_tokens(self, ids: list[int]) -> int:
+    def hit_tokens(self, ids: list[int], salt: bytes = b"") -> int:
         hit = 0
-        for bid in block_ids(ids, self.model):
+        for bid in block_ids(ids, self.model, salt=salt):
             if bid not in self.stored:
                 break
             hit += self.model.block_tokens
@@ -110,7 +111,7 @@ class FakeBackend:
         if not self.healthy:
             raise BackendError("no healthy decode node")
         n = next(self._counter)
-        hit = self.hit_tokens(req.prompt_ids)
+        hit = self.hit_tokens(req.prompt_ids, req.cache_salt)
         path = (
             "none"
             if hit == 0
@@ -136,5 +137,5 @@ class FakeBackend:
             if tok in req.stop_ids:
                 reason = "stop"
                 break
-        self.stored.update(block_ids(ctx, self.model))
+        self.stored.update(block_ids(ctx, self.model, salt=req.cache_salt))
         yield Finished(reason, len(ctx) - len(req.prompt_ids))

@@ -8,10 +8,13 @@ hit its block index found (DESIGN section 3), which the decode worker then verif
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
+from prometheus_client import Counter
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
@@ -19,10 +22,27 @@ from dualpath.grpc_auth import ClusterToken
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
+from dualpath.worker import FAILED_NODE_KEY
 
 log = logging.getLogger(__name__)
 
 _PATHS = {0: "none", 1: "prefill", 2: "decode"}
+
+# Generate failures that say something of the nodes: retried (before the first token) on
+# another pair and counted against the pair by the scheduler's breaker. Others (a bad request,
+# the turn's own deadline or cancel) are neither.
+_NODE_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+# Deadline of one `Complete` (sent in the background): a scheduler down must not pile them up.
+COMPLETE_TIMEOUT_S = 5.0
 
 
 class GrpcBackend:
@@ -40,6 +60,19 @@ class GrpcBackend:
         self.timeout_s = timeout_s
         self._sched = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._completing: set[asyncio.Task] = set()
+        # registered by the app on its /metrics registry
+        self.retries = Counter(
+            "dualpath_frontend_retries_total",
+            "Turns that failed before their first token and were retried once on another pair",
+            registry=None,
+        )
+        self.complete_failures = Counter(
+            "dualpath_frontend_complete_failures_total",
+            "Complete calls to the scheduler that failed (the entry stays until it restarts)",
+            registry=None,
+        )
+        self.collectors = (self.retries, self.complete_failures)
 
     async def start(self) -> None:
         from dualpath.scheduler.client import SchedulerClient
@@ -47,6 +80,8 @@ class GrpcBackend:
         self._sched = SchedulerClient(self.scheduler_address, timeout_s=30.0, token=self.token)
 
     async def close(self) -> None:
+        if self._completing:  # the last turns' Complete calls, within their own deadline
+            await asyncio.wait(list(self._completing), timeout=COMPLETE_TIMEOUT_S)
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -77,40 +112,97 @@ class GrpcBackend:
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:
-        from dualpath.v1 import worker_pb2
-
+        """Route, then stream from the decode node. A turn that fails before its first chunk
+        is retried once on another pair (the failed nodes excluded); every routed attempt
+        ends with exactly one `Complete`, sent in the background (never delaying the client's
+        last chunk), also when the client goes away."""
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
-        keys = block_keys(block_ids(req.prompt_ids, self.model))
-        per_tok = self.model.kv_bytes_per_token
+        keys = pack_keys(block_keys(block_ids(req.prompt_ids, self.model, salt=req.cache_salt)))
+        exclude: list[str] = []
+        first_error = ""
+        for attempt in range(2):
+            rid = req.request_id if not attempt else f"{req.request_id}.retry"
+            try:
+                route = await self._route(req, rid, keys, exclude)
+            except asyncio.CancelledError:
+                # the scheduler may have routed it just before the cancel reached it
+                self._complete_later(rid, 0, False, True, "")
+                raise
+            except BackendError as err:
+                if first_error:  # nowhere else to go: the turn's own failure is the answer
+                    raise BackendError(f"{first_error} (no retry: {err})") from None
+                raise
+            generated, ok, cancelled, started, failed = 0, False, True, False, ""
+            try:
+                async with aclosing(self._stream(req, route)) as events:
+                    async for ev in events:
+                        started = True
+                        if isinstance(ev, Tokens):
+                            generated += len(ev.ids)
+                        if isinstance(ev, Finished):
+                            ok = True
+                        yield ev
+                cancelled = False
+                return
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                cancelled = code not in _NODE_FAULTS
+                # the decode node names the side that failed; a call that failed to connect
+                # (or a node that says nothing) is the decode node's own failure
+                trailer = dict(err.trailing_metadata() or ())
+                failed = trailer.get(FAILED_NODE_KEY) or route.decode_node
+                error = f"decode {route.decode_node} Generate: {code.name}: {err.details()}"
+                if started or attempt or code not in _NODE_FAULTS:
+                    raise BackendError(error) from None
+                self.retries.inc()
+                log.warning(
+                    "turn %s failed before its first token (%s): retrying once without %s",
+                    req.request_id,
+                    error,
+                    failed,
+                )
+                exclude, first_error = [failed], error
+            except BackendError:
+                cancelled = False
+                raise
+            finally:
+                self._complete_later(route.request_id, generated, ok, cancelled, failed)
+
+    async def _route(self, req: TurnRequest, rid: str, keys: bytes, exclude: list[str]):
         try:
-            route = await self._sched.route(
-                request_id=req.request_id,
+            return await self._sched.route(
+                request_id=rid,
                 session_id=req.session_id,
                 prompt_tokens=len(req.prompt_ids),
-                block_keys=pack_keys(keys),
-                context_bytes=len(req.prompt_ids) * per_tok,
+                block_keys=keys,
+                context_bytes=len(req.prompt_ids) * self.model.kv_bytes_per_token,
                 max_new_tokens=req.max_new_tokens,
+                exclude_nodes=exclude,
             )
         except grpc.aio.AioRpcError as err:
             raise BackendError(f"scheduler Route: {err.code().name}: {err.details()}") from None
-        generated, ok, reason = 0, False, "length"
-        routed = False
+
+    async def _stream(self, req: TurnRequest, route) -> AsyncIterator[Event]:  # noqa: ANN001
+        from dualpath.v1 import worker_pb2
+
+        call = self._worker(route.decode_address).Generate(
+            worker_pb2.GenerateRequest(
+                request_id=route.request_id,
+                session_id=req.session_id,
+                prompt_tokens=req.prompt_ids,
+                hit_tokens=route.hit_tokens,
+                max_new_tokens=req.max_new_tokens,
+                read_path=route.read_path,
+                prefill_node=route.prefill_node,
+                prefill_address=route.prefill_address,
+                stop_tokens=list(req.stop_ids),
+                temperature=req.temperature,
+                cache_salt=req.cache_salt,
+            ),
+            timeout=self.timeout_s,
+        )
+        generated, reason, routed = 0, "", False
         try:
-            call = self._worker(route.decode_address).Generate(
-                worker_pb2.GenerateRequest(
-                    request_id=route.request_id,
-                    session_id=req.session_id,
-                    prompt_tokens=req.prompt_ids,
-                    hit_tokens=route.hit_tokens,
-                    max_new_tokens=req.max_new_tokens,
-                    read_path=route.read_path,
-                    prefill_node=route.prefill_node,
-                    prefill_address=route.prefill_address,
-                    stop_tokens=list(req.stop_ids),
-                    temperature=req.temperature,
-                ),
-                timeout=self.timeout_s,
-            )
             async for msg in call:
                 if not routed:  # the first chunk says what served the turn (a bad block may
                     routed = True  # have shortened the hit or turned it into a recompute)
@@ -129,14 +221,38 @@ class GrpcBackend:
                     yield Tokens(list(msg.tokens))
                 if msg.finish_reason:
                     reason = msg.finish_reason
-            ok = True
-            yield Finished(reason, generated)
-        except grpc.aio.AioRpcError as err:
-            raise BackendError(
-                f"decode {route.decode_node} Generate: {err.code().name}: {err.details()}"
-            ) from None
         finally:
-            try:
-                await self._sched.complete(route.request_id, generated, ok)
-            except grpc.aio.AioRpcError as err:
-                log.warning("Complete(%s) failed: %s", route.request_id, err.code().name)
+            call.cancel()  # a turn abandoned early (a no-op once the call has ended)
+        if not reason:  # an answer cut short is an error, never an empty success
+            raise BackendError(
+                f"decode {route.decode_node} Generate ended without a finish reason "
+                f"after {generated} tokens"
+            )
+        yield Finished(reason, generated)
+
+    def _complete_later(
+        self, request_id: str, generated: int, ok: bool, cancelled: bool, failed_node: str
+    ) -> None:
+        """`Complete` in the background with its own deadline: it survives the turn's
+        cancellation and never delays the client's last chunk."""
+        task = asyncio.get_running_loop().create_task(
+            self._complete(request_id, generated, ok, cancelled, failed_node)
+        )
+        self._completing.add(task)
+        task.add_done_callback(self._completing.discard)
+
+    async def _complete(
+        self, request_id: str, generated: int, ok: bool, cancelled: bool, failed_node: str
+    ) -> None:
+        try:
+            await self._sched.complete(
+                request_id,
+                generated,
+                ok,
+                cancelled=cancelled,
+                timeout_s=COMPLETE_TIMEOUT_S,
+                failed_node=failed_node,
+            )
+        except grpc.aio.AioRpcError as err:
+            self.complete_failures.inc()
+            log.warning("Complete(%s) failed: %s", request_id, err.code().name)

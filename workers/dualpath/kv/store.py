@@ -531,16 +531,21 @@ class KVStore:
                 os.close(dfd)
 
     def put_tokens(
-        self, tokens: Sequence[int], kv_layers: Sequence[LayerKV], kv_start_token: int = 0
+        self,
+        tokens: Sequence[int],
+        kv_layers: Sequence[LayerKV],
+        kv_start_token: int = 0,
+        salt: bytes = b"",
     ) -> list[BlockId]:
-        """Write the full blocks of `tokens` whose KV `kv_layers` covers; returns written ids.
+        """Write the full blocks of `tokens` whose KV `kv_layers` covers; returns written ids
+        (the chain under the request's cache `salt`, see `ids.block_ids`).
 
         `kv_layers[l]` = (K, V) of shape (tokens covered, heads, dim) for tokens
         `tokens[kv_start_token:]` (e.g. a turn's new tokens). Blocks not fully covered are
         skipped; blocks already present are not rewritten.
         """
         bt = self.layout.block_tokens
-        ids = block_ids(tokens, self.model)
+        ids = block_ids(tokens, self.model, salt=salt)
         written = []
         end = 0
         for i, bid in enumerate(ids):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,10 +63,24 @@ class SchedulerClient:
             pb.RouteRequest(**fields), timeout=self.timeout_s, wait_for_ready=True
         )
 
-    async def complete(self, request_id: str, generated_tokens: int = 0, ok: bool = True) -> None:
+    async def complete(
+        self,
+        request_id: str,
+        generated_tokens: int = 0,
+        ok: bool = True,
+        cancelled: bool = False,
+        timeout_s: float | None = None,
+        failed_node: str = "",
+    ) -> None:
         await self.stub.Complete(
-            pb.CompleteRequest(request_id=request_id, generated_tokens=generated_tokens, ok=ok),
-            timeout=self.timeout_s,
+            pb.CompleteRequest(
+                request_id=request_id,
+                generated_tokens=generated_tokens,
+                ok=ok,
+                cancelled=cancelled,
+                failed_node=failed_node,
+            ),
+            timeout=timeout_s or self.timeout_s,
             wait_for_ready=True,
         )
 
@@ -122,6 +137,9 @@ class NodeAgent:
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self.registrations = 0
+        self.refusals = 0  # registrations refused in a row (another process holds the id)
+        # one per process start: the scheduler tells a restarted process from a second one
+        self.incarnation = uuid.uuid4().hex[:16]
 
     def start(self) -> NodeAgent:
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.reg.node_id}")
@@ -140,18 +158,22 @@ class NodeAgent:
                 group=self.reg.group,
                 config_hash=self.reg.config_hash,
                 load=self.load(),
+                incarnation=self.incarnation,
             ),
             timeout=self.rpc_timeout_s,
             wait_for_ready=True,
         )
         self.registrations += 1
+        self.refusals = 0
         if resp.heartbeat_interval_ms:
             self.interval_s = resp.heartbeat_interval_ms / 1000.0
         log.info("registered %s with the scheduler (#%d)", self.reg.node_id, self.registrations)
 
     async def _beats(self):
         while not self._stopping.is_set():
-            yield pb.Heartbeat(node_id=self.reg.node_id, load=self.load())
+            yield pb.Heartbeat(
+                node_id=self.reg.node_id, load=self.load(), incarnation=self.incarnation
+            )
             try:
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.interval_s)
             except TimeoutError:
@@ -176,7 +198,19 @@ class NodeAgent:
             except grpc.aio.AioRpcError as err:
                 if self._stopping.is_set():
                     break
-                log.warning("scheduler unreachable (%s); retry in %.2fs", err.code().name, backoff)
+                if err.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    # logged once per streak; retried: the other process may stop or time out
+                    self.refusals += 1
+                    log.log(
+                        logging.ERROR if self.refusals == 1 else logging.DEBUG,
+                        "registration of %s refused (retrying): %s",
+                        self.reg.node_id,
+                        err.details(),
+                    )
+                else:
+                    log.warning(
+                        "scheduler unreachable (%s); retry in %.2fs", err.code().name, backoff
+                    )
             if self._stopping.is_set():
                 break
             await asyncio.sleep(backoff)

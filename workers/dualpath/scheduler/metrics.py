@@ -49,3 +49,19 @@ INDEX_LOOKUPS = Counter(
 INDEX_HIT_BLOCKS = Counter(
     "dualpath_scheduler_index_hit_blocks_total", "Blocks found by hit lookups"
 )
+COMPLETIONS = Counter(
+    "dualpath_scheduler_completions_total",
+    "Completed requests by outcome (failed ones count against their nodes' breakers)",
+    ["outcome"],
+)
+BREAKER_OPENS = Counter(
+    "dualpath_scheduler_breaker_opens_total",
+    "Node circuit breakers opened by consecutive failed requests",
+)
+BREAKERS_OPEN = Gauge(
+    "dualpath_scheduler_breakers_open", "Nodes whose circuit breaker is open or half-open"
+)
+REGISTRATIONS_REFUSED = Counter(
+    "dualpath_scheduler_registrations_refused_total",
+    "Registrations refused: the node id is alive under another incarnation",
+)

@@ -21,7 +21,7 @@ from dualpath.grpc_auth import ClusterToken, server_interceptors
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import NodeState, ReadPath, RouteRequest
-from dualpath.scheduler.state import SchedulerState
+from dualpath.scheduler.state import NodeConflict, SchedulerState
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -68,7 +68,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             group=request.group or "default",
             draining=load.draining,
         )
-        self.state.register(state, request.address, request.transfer_address, request.config_hash)
+        try:
+            self.state.register(
+                state,
+                request.address,
+                request.transfer_address,
+                request.config_hash,
+                request.incarnation,
+            )
+        except NodeConflict as err:
+            m.REGISTRATIONS_REFUSED.inc()
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
         self._notify()
         return pb.RegisterResponse(
             heartbeat_interval_ms=self.heartbeat_interval_ms, node_timeout_ms=self.node_timeout_ms
@@ -85,6 +95,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 ld.requests_running,
                 ld.buffer_free_bytes,
                 ld.draining,
+                hb.incarnation,
             )
             snapshot_id = 0
             if known:
@@ -193,6 +204,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             max_new_tokens=request.max_new_tokens,
             session_id=request.session_id,
         )
+        if request.exclude_nodes and not self.state.has_pair_without(request.exclude_nodes):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no available prefill/decode pair without the excluded nodes "
+                f"({', '.join(request.exclude_nodes)})",
+            )
         timeout_s = request.queue_timeout_s or self.default_queue_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
@@ -201,7 +218,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         waited = False
         while True:
             t0 = time.perf_counter()
-            decision = self.state.route(rr)
+            decision = self.state.route(rr, request.exclude_nodes)
             m.DECISION_LATENCY.observe(time.perf_counter() - t0)
             if decision is not None:
                 break
@@ -223,6 +240,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 await asyncio.wait_for(changed.wait(), timeout=min(left, 0.05))
             except TimeoutError:
                 pass
+        if context.cancelled():  # the caller is gone: nobody will send its Complete
+            self.state.complete(decision.request_id, ok=False, cancelled=True)
+            await context.abort(grpc.StatusCode.CANCELLED, "the caller cancelled the route")
         m.DECISIONS.labels(self.state.policy.name, decision.read_path.value).inc()
         m.IN_FLIGHT.set(len(self.state.in_flight))
         nodes = self.state.nodes
@@ -241,8 +261,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Complete(self, request, context):  # noqa: N802
         # Unknown ids are fine: a restarted scheduler forgets requests that still finish.
-        self.state.complete(request.request_id)
-        m.IN_FLIGHT.set(len(self.state.in_flight))
+        st = self.state
+        opens = st.breaker_opens_total
+        st.complete(request.request_id, request.ok, request.cancelled, request.failed_node)
+        m.IN_FLIGHT.set(len(st.in_flight))
+        m.COMPLETIONS.labels(
+            "ok" if request.ok else "cancelled" if request.cancelled else "failed"
+        ).inc()
+        m.BREAKER_OPENS.inc(st.breaker_opens_total - opens)
+        m.BREAKERS_OPEN.set(st.open_breakers())
         return pb.CompleteResponse()
 
     async def Drain(self, request, context):  # noqa: N802

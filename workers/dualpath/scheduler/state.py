@@ -29,6 +29,23 @@ log = logging.getLogger(__name__)
 
 # Seconds between warnings about requests refused for want of a pair (each carries the count).
 UNPAIRED_LOG_INTERVAL_S = 5.0
+# Circuit breaker: consecutive failed completions that open a node's breaker, and how long it
+# stays open before one probe request may go there (half-open).
+BREAKER_FAILURES = 3
+BREAKER_COOLDOWN_S = 5.0
+
+
+class NodeConflict(ValueError):
+    """A second process registers a node id that is alive under another incarnation."""
+
+
+@dataclass(slots=True)
+class Breaker:
+    """A node's circuit breaker over the outcomes of the requests routed to it."""
+
+    failures: int = 0  # consecutive failed completions
+    open: bool = False  # no requests (but one probe once `retry_at_s` has passed)
+    retry_at_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -37,6 +54,7 @@ class NodeRecord:
     address: str
     transfer_address: str
     last_seen_s: float
+    incarnation: str = ""  # one per process start ("": a client that does not send it)
 
     @property
     def config_hash(self) -> str:
@@ -60,7 +78,14 @@ class SchedulerState:
         clock: Callable[[], float] = time.monotonic,
         block_tokens: int = 64,
         index: BlockIndex | None = None,
+        breaker_failures: int = BREAKER_FAILURES,
+        breaker_cooldown_s: float = BREAKER_COOLDOWN_S,
     ) -> None:
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown_s = breaker_cooldown_s
+        self.breakers: dict[str, Breaker] = {}
+        self._open: set[str] = set()  # ids of the nodes whose breaker is open
+        self.breaker_opens_total = 0
         self.policy = policy
         self.block_tokens = block_tokens
         self.index = index if index is not None else BlockIndex()
@@ -80,9 +105,44 @@ class SchedulerState:
 
     # -- membership ---------------------------------------------------------------------
     def register(
-        self, state: NodeState, address: str, transfer_address: str = "", config_hash: str = ""
+        self,
+        state: NodeState,
+        address: str,
+        transfer_address: str = "",
+        config_hash: str = "",
+        incarnation: str = "",
     ) -> None:
-        known = state.node_id in self.nodes
+        """Add or refresh a node. Raises NodeConflict when another incarnation of the id is
+        alive (heartbeating within the node timeout) and not draining: a second process under
+        a taken id must not take over its traffic. A timed-out or draining one is replaced."""
+        old = self.nodes.get(state.node_id)
+        known = old is not None
+        if old is not None and incarnation and old.incarnation and old.incarnation != incarnation:
+            now = self.clock()
+            alive = old.state.healthy and now - old.last_seen_s <= self.node_timeout_s
+            if alive and not old.state.draining:
+                log.warning(
+                    "refused node %s at %s: incarnation %s at %s is alive",
+                    state.node_id,
+                    address,
+                    old.incarnation,
+                    old.address,
+                )
+                raise NodeConflict(
+                    f"node_id {state.node_id!r} is registered and alive at {old.address} "
+                    f"(another incarnation); pick another node_id or stop that process"
+                )
+            log.info(
+                "node %s: incarnation %s replaces %s (%s)",
+                state.node_id,
+                incarnation,
+                old.incarnation,
+                "draining" if old.state.draining else "timed out",
+            )
+            self.breakers.pop(state.node_id, None)  # a fresh process starts with a clean slate
+            self._open.discard(state.node_id)
+        breaker = self.breakers.get(state.node_id)
+        state.held = breaker is not None and breaker.open
         # A registration says what the node is now: a draining process says so itself, and a
         # new process under a drained id (a StatefulSet pod replaced after its drain) serves.
         if not state.draining:
@@ -92,7 +152,9 @@ class SchedulerState:
         seq = self.view.config_hash_seq
         if state.config_hash not in seq:
             seq[state.config_hash] = next(self._hash_seq)  # newest hash: ties go to it
-        self.nodes[state.node_id] = NodeRecord(state, address, transfer_address, self.clock())
+        self.nodes[state.node_id] = NodeRecord(
+            state, address, transfer_address, self.clock(), incarnation
+        )
         self._rebuild_view()
         level = logging.INFO if len(self.nodes) <= 64 else logging.DEBUG
         log.log(
@@ -123,10 +185,14 @@ class SchedulerState:
         requests_running: int,
         buffer_free_bytes: int,
         draining: bool,
+        incarnation: str = "",
     ) -> bool:
-        """Refresh a node's load; False if the node is unknown (it must register again)."""
+        """Refresh a node's load; False if the node is unknown (it must register again) or
+        the heartbeat comes from an incarnation that was replaced."""
         rec = self.nodes.get(node_id)
         if rec is None:
+            return False
+        if incarnation and rec.incarnation and incarnation != rec.incarnation:
             return False
         s = rec.state
         s.read_pending_bytes = read_pending_bytes
@@ -180,10 +246,32 @@ class SchedulerState:
         limit = (prompt_tokens - 1) // self.block_tokens
         return self.index.hit_blocks(block_keys, limit) * self.block_tokens
 
-    def route(self, request: RouteRequest) -> Decision | None:
+    def route(self, request: RouteRequest, exclude: Sequence[str] = ()) -> Decision | None:
+        """The policy's decision over the available nodes: neither an open breaker's node (a
+        half-open one takes one probe) nor one in `exclude` (a retry's failed pair)."""
         if not request.request_id:
             request.request_id = f"r{next(self._ids)}"
-        decision = self.policy.decide(request, self.view)
+        now = self.clock()
+        for node_id in self._open:
+            if now >= self.breakers[node_id].retry_at_s:
+                node = self.view.node(node_id)
+                if node is not None:
+                    node.held = False  # half-open: a decision may probe it
+        held = [n for n in map(self.view.node, exclude) if n is not None and not n.held]
+        for n in held:
+            n.held = True
+        try:
+            decision = self.policy.decide(request, self.view)
+        finally:
+            for n in held:
+                n.held = False
+        if decision is not None and self._open:
+            for node_id in {decision.prefill_node, decision.decode_node} & self._open:
+                node = self.view.node(node_id)
+                if node is not None:
+                    node.held = True  # one probe at a time; another after a cool-down
+                self.breakers[node_id].retry_at_s = now + self.breaker_cooldown_s
+                log.info("node %s: breaker half-open, probing with %s", node_id, request.request_id)
         if decision is None:
             return None
         account(self.view, request, decision)
@@ -199,8 +287,69 @@ class SchedulerState:
             if node_id in (f.decision.prefill_node, f.decision.decode_node)
         )
 
-    def complete(self, request_id: str) -> InFlight | None:
-        return self.in_flight.pop(request_id, None)
+    def complete(
+        self, request_id: str, ok: bool = True, cancelled: bool = False, failed_node: str = ""
+    ) -> InFlight | None:
+        """End a routed request; a failure (not a cancel) counts against the node it came
+        from (`failed_node`, when it is of the pair) or else both nodes of its pair; a success
+        closes their breakers."""
+        done = self.in_flight.pop(request_id, None)
+        if done is None or cancelled:
+            return done
+        pair = {done.decision.prefill_node, done.decision.decode_node}
+        for node_id in pair if ok or failed_node not in pair else (failed_node,):
+            self._outcome(node_id, ok)
+        return done
+
+    def has_pair_without(self, exclude: Sequence[str]) -> bool:
+        """Whether an available prefill and decode node of one config hash remain when the
+        nodes in `exclude` are left out (a retry has somewhere else to go)."""
+        ex = set(exclude)
+        return any(
+            any(n.available and n.node_id not in ex for n in pool.prefill)
+            and any(n.available and n.node_id not in ex for n in pool.decode)
+            for pool in self.view.pools()
+        )
+
+    def _outcome(self, node_id: str, ok: bool) -> None:
+        b = self.breakers.setdefault(node_id, Breaker())
+        node = self.view.node(node_id)
+        if ok:
+            b.failures = 0
+            if b.open:
+                b.open = False
+                self._open.discard(node_id)
+                if node is not None:
+                    node.held = False
+                log.info("node %s: breaker closed (a request succeeded)", node_id)
+            return
+        b.failures += 1
+        if b.open:  # a failed probe: open for another cool-down
+            b.retry_at_s = self.clock() + self.breaker_cooldown_s
+            if node is not None:
+                node.held = True
+            return
+        if b.failures < self.breaker_failures or node is None:
+            return
+        # never the last available node of its role: shedding every request is worse than
+        # trying (and the frontend retries a failed turn on another pair)
+        peers = self.view.prefill if node.role == "prefill" else self.view.decode
+        if not any(n.available and n is not node for n in peers):
+            return
+        b.open = True
+        self._open.add(node_id)
+        b.retry_at_s = self.clock() + self.breaker_cooldown_s
+        node.held = True
+        self.breaker_opens_total += 1
+        log.warning(
+            "node %s: breaker open after %d failed requests in a row: no requests for %.1fs",
+            node_id,
+            b.failures,
+            self.breaker_cooldown_s,
+        )
+
+    def open_breakers(self) -> int:
+        return len(self._open)
 
     def refusal(self) -> tuple[bool, str]:
         """Why a request found no node: (no prefill/decode pair shares a config hash, message).
@@ -210,7 +359,7 @@ class SchedulerState:
         """
         gap = config_mismatch(self.view)
         if gap is None:
-            return False, "all overloaded, without room, draining or unhealthy"
+            return False, "all overloaded, without room, draining, unhealthy or failing (breaker open)"
         pre, dec = (", ".join(h or "-" for h in hs) for hs in gap)
         msg = f"no prefill and decode node share a config hash (prefill: {pre}; decode: {dec})"
         self.refused_unpaired_total += 1

@@ -42,7 +42,7 @@ class NodeLoad(_message.Message):
     def __init__(self, read_pending_bytes: _Optional[int] = ..., tokens_queued: _Optional[int] = ..., tokens_running: _Optional[int] = ..., requests_running: _Optional[int] = ..., buffer_free_bytes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "role", "address", "transfer_address", "snic_bytes_per_s", "prefill_tokens_per_s", "group", "config_hash", "load")
+    __slots__ = ("node_id", "role", "address", "transfer_address", "snic_bytes_per_s", "prefill_tokens_per_s", "group", "config_hash", "load", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class RegisterRequest(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     address: str
@@ -61,7 +62,8 @@ class RegisterRequest(_message.Message):
     group: str
     config_hash: str
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., snic_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., group: _Optional[str] = ..., config_hash: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., snic_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., group: _Optional[str] = ..., config_hash: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "node_timeout_ms")
@@ -72,12 +74,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., node_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("node_id", "load")
+    __slots__ = ("node_id", "load", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
     __slots__ = ("known", "kv_snapshot_id")
@@ -88,7 +92,7 @@ class HeartbeatAck(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., kv_snapshot_id: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_tokens", "context_bytes", "max_new_tokens", "queue_timeout_s", "block_keys")
+    __slots__ = ("request_id", "session_id", "prompt_tokens", "context_bytes", "max_new_tokens", "queue_timeout_s", "block_keys", "exclude_nodes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class RouteRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_NODES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_tokens: int
@@ -103,7 +108,8 @@ class RouteRequest(_message.Message):
     max_new_tokens: int
     queue_timeout_s: float
     block_keys: bytes
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_bytes: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., block_keys: _Optional[bytes] = ...) -> None: ...
+    exclude_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., context_bytes: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ..., block_keys: _Optional[bytes] = ..., exclude_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("request_id", "prefill_node", "prefill_address", "decode_node", "decode_address", "read_path", "policy", "est_read_finish_s", "hit_tokens", "hit_bytes")
@@ -130,14 +136,18 @@ class RouteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., read_path: _Optional[_Union[ReadPath, str]] = ..., policy: _Optional[str] = ..., est_read_finish_s: _Optional[float] = ..., hit_tokens: _Optional[int] = ..., hit_bytes: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "generated_tokens", "ok")
+    __slots__ = ("request_id", "generated_tokens", "ok", "cancelled", "failed_node")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generated_tokens: int
     ok: bool
-    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
+    cancelled: bool
+    failed_node: str
+    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., ok: _Optional[bool] = ..., cancelled: _Optional[bool] = ..., failed_node: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ()

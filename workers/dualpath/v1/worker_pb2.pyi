@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_tokens", "hit_tokens", "max_new_tokens", "read_path", "prefill_node", "prefill_address", "stop_tokens", "temperature", "seed")
+    __slots__ = ("request_id", "session_id", "prompt_tokens", "hit_tokens", "max_new_tokens", "read_path", "prefill_node", "prefill_address", "stop_tokens", "temperature", "seed", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "hit_tokens", "read_path", "prefill_seconds")
@@ -56,7 +58,7 @@ class Region(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "hit_tokens", "read_path", "decode_node", "decode_agent", "decode_agent_metadata", "decode_hit", "decode_new")
+    __slots__ = ("request_id", "prompt_tokens", "hit_tokens", "read_path", "decode_node", "decode_agent", "decode_agent_metadata", "decode_hit", "decode_new", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class PrefillRequest(_message.Message):
     DECODE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     DECODE_HIT_FIELD_NUMBER: _ClassVar[int]
     DECODE_NEW_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     hit_tokens: int
@@ -75,7 +78,8 @@ class PrefillRequest(_message.Message):
     decode_agent_metadata: bytes
     decode_hit: Region
     decode_new: Region
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., decode_node: _Optional[str] = ..., decode_agent: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_hit: _Optional[_Union[Region, _Mapping]] = ..., decode_new: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., decode_node: _Optional[str] = ..., decode_agent: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_hit: _Optional[_Union[Region, _Mapping]] = ..., decode_new: _Optional[_Union[Region, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillAccepted(_message.Message):
     __slots__ = ("prefill_agent", "prefill_agent_metadata", "prefill_hit")

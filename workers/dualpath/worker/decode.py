@@ -29,6 +29,7 @@ import torch
 
 from dualpath.engine import CacheFullError, SamplingParams
 from dualpath.kv import KVLoadError, block_ids
+from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.transfer.engine import TransferError
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
@@ -48,6 +49,25 @@ _PATH_ENUM = {
 
 class PrefillFailed(RuntimeError):
     pass
+
+
+# Codes a client call ends with on its own side: the peer may still be running.
+_LOCAL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class _Exchange:
+    """One prefill exchange's progress, shared with the turn that waits for it."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False  # the Prefill call (with this node's buffer addresses) was made
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Done callback of an abandoned exchange: its outcome is logged, never left unretrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("abandoned prefill exchange ended: %s", task.exception())
 
 
 class DecodeRole:
@@ -108,6 +128,9 @@ class DecodeRole:
             raise ValueError(
                 f"token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})"
             )
+        salt = bytes(req.cache_salt)
+        if len(salt) > MAX_SALT_BYTES:
+            raise ValueError(f"cache_salt is {len(salt)} bytes; at most {MAX_SALT_BYTES}")
         rid = req.request_id
         hit = min(int(req.hit_tokens), (len(prompt) - 1) // model.block_tokens * model.block_tokens)
         hit -= hit % model.block_tokens
@@ -118,8 +141,7 @@ class DecodeRole:
             attempt = req
             for retry in itertools.count(1):
                 try:
-                    with node.transfer.active():
-                        kv, logits, hit, path = await self._prefill(attempt, prompt, hit, path)
+                    kv, logits, hit, path = await self._exchange(attempt, prompt, hit, path)
                     break
                 except (HitUnavailable, KVLoadError) as err:
                     if not hit:
@@ -178,7 +200,7 @@ class DecodeRole:
                     if out.finished:
                         break
                     yield wpb.GenerateChunk(tokens=[out.token])
-            await self._store_turn(rid, prompt, generated, hit)
+            await self._store_turn(rid, prompt, generated, hit, salt)
             yield wpb.GenerateChunk(
                 tokens=[out.token], finish_reason=out.reason or "length", **head
             )
@@ -213,8 +235,11 @@ class DecodeRole:
                 except TimeoutError:
                     pass
 
-    async def _store_turn(self, rid: str, prompt: list[int], generated: list[int], hit: int):
-        """Write the turn's new full blocks (prompt + generated, last token excluded)."""
+    async def _store_turn(
+        self, rid: str, prompt: list[int], generated: list[int], hit: int, salt: bytes
+    ):
+        """Write the turn's new full blocks (prompt + generated, last token excluded), ids
+        chained under the request's cache salt."""
         node = self.node
         tokens = prompt + generated[:-1]
         bt = node.cfg.spec.model.block_tokens
@@ -223,15 +248,48 @@ class DecodeRole:
         loop = asyncio.get_running_loop()
         kv = await loop.run_in_executor(node.engine.executor, node.engine.sequence_kv, rid, hit)
         try:
-            written = await asyncio.to_thread(node.store.put_tokens, tokens, kv, hit)
+            written = await asyncio.to_thread(node.store.put_tokens, tokens, kv, hit, salt)
         except OSError as err:  # a full or failing disk must not fail the answer
             log.debug("request %s: writing its KV blocks failed: %s", rid, err)  # store counted it
             return
         log.debug("request %s: %d new blocks stored", rid, len(written))
         await node.flush_kv_events()  # the agent's next turn must find them in the index
 
-    async def _prefill(
+    async def _exchange(
         self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str
+    ) -> tuple[list, torch.Tensor, int, str]:
+        """`_prefill`, shielded from the turn's cancellation once the prefill node holds this
+        node's buffer addresses: the exchange then runs to its end (bounded by its deadlines)
+        and frees the regions the moment nothing can write into them, instead of quarantining
+        them for a whole transfer deadline (a burst of client disconnects would otherwise leave
+        no buffer to route to). Cancelled before that, it stops at once."""
+        ex = _Exchange()
+
+        async def run() -> tuple[list, torch.Tensor, int, str]:
+            with self.node.transfer.active():
+                return await self._prefill(req, prompt, hit, path, ex)
+
+        task = asyncio.ensure_future(run())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not ex.started:
+                task.cancel()
+            elif not task.done():
+                log.info(
+                    "request %s cancelled during its prefill exchange: letting it end",
+                    req.request_id,
+                )
+            task.add_done_callback(_retrieve)
+            raise
+
+    async def _prefill(
+        self,
+        req: wpb.GenerateRequest,
+        prompt: list[int],
+        hit: int,
+        path: str,
+        ex: _Exchange | None = None,
     ) -> tuple[list, torch.Tensor, int, str]:
         """Steps 1-4 of the module docstring: the whole prompt's KV here, and the logits."""
         node = self.node
@@ -239,11 +297,13 @@ class DecodeRole:
         transfer = node.transfer
         rid = req.request_id
         deadline_s = node.deadline_s
+        ex = ex or _Exchange()
         regions = []
         handle = None
         call = None
         tasks: list[asyncio.Task] = []
         clean = False
+        peer_ended = False  # the prefill node ended its side: none of its WRITEs can land
         try:
             layout = RequestLayout.of(model, hit, len(prompt))
             hit_region = None
@@ -251,7 +311,7 @@ class DecodeRole:
                 hit_region = await transfer.pool.alloc_wait(layout.hit_bytes, deadline_s)
                 regions.append(hit_region)
             if path == "decode":
-                ids = block_ids(prompt, model)[: layout.hit_blocks]
+                ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
                 handle = node.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:  # shrink the hit to the valid prefix, same region
@@ -272,10 +332,12 @@ class DecodeRole:
             new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
             regions.append(new_region)
             stub = node.worker_stub(req.prefill_address)
+            ex.started = True
             call = stub.Prefill(
                 wpb.PrefillRequest(
                     request_id=rid,
                     prompt_tokens=prompt,
+                    cache_salt=req.cache_salt,
                     hit_tokens=layout.hit_tokens,
                     read_path=_PATH_ENUM[path],
                     decode_node=node.node_id,
@@ -299,6 +361,7 @@ class DecodeRole:
                 )
             # a failed hit-layer read here ends the wait at once (gather raises the first error)
             done_msg, *_ = await asyncio.gather(anext(stream), *tasks)
+            peer_ended = True  # `done` follows the completion of all its WRITEs
             if done_msg.WhichOneof("kind") != "done":
                 raise PrefillFailed(f"prefill of {rid}: unexpected message {done_msg}")
             done = done_msg.done
@@ -321,6 +384,9 @@ class DecodeRole:
             clean = True
             return kv, logits, layout.hit_tokens, path
         except grpc.aio.AioRpcError as err:
+            # a status from the peer (or a broken connection: a dead peer) ends its side; our
+            # own cancel or deadline does not say its WRITEs stopped
+            peer_ended = err.code() not in _LOCAL_CODES
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 valid = dict(err.trailing_metadata() or ()).get(VALID_HIT_KEY, "0")
                 raise HitUnavailable(err.details(), int(valid) if valid.isdigit() else 0) from None
@@ -338,5 +404,7 @@ class DecodeRole:
                 call.cancel()
             if handle is not None:
                 handle.close()
-            node.release(regions, clean=clean)
+            node.release(
+                regions, 0.0 if clean or call is None or peer_ended else deadline_s, handle
+            )
             transfer.discard_notifs(f"{rid}/".encode())

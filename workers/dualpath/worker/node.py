@@ -109,6 +109,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             n.inflight -= 1
 
     async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        from dualpath.worker import FAILED_NODE_KEY
+        from dualpath.worker.decode import PrefillFailed
+
         n = self.node
         if n.decode is None:
             await context.abort(
@@ -127,6 +130,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             raise
         except Exception as err:
             log.warning("request %s failed: %s", request.request_id, err)
+            # which side failed, for the frontend's retry and the scheduler's breaker
+            culprit = request.prefill_node if isinstance(err, PrefillFailed) else n.node_id
+            context.set_trailing_metadata(((FAILED_NODE_KEY, culprit),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id}: {err}")
         finally:
             n.inflight -= 1
@@ -344,17 +350,38 @@ class WorkerNode:
             )
         return wpb_grpc.WorkerStub(ch)
 
-    def release(self, regions, clean: bool) -> None:  # noqa: ANN001
-        """Free a request's buffer regions. After a failure a peer's WRITE may still land in
-        them, so they are quarantined for one deadline before reuse."""
-        if clean:
-            for r in regions:
-                self.transfer.pool.free(r)
+    def release(self, regions, hold_s: float = 0.0, reading=None) -> None:  # noqa: ANN001
+        """Free a request's buffer regions, at once when nothing can still be written into
+        them (`hold_s` 0: the request ended cleanly, its peer never learned their addresses,
+        is dead or has ended its side), else after `hold_s`, the deadline of the peer's WRITEs
+        that may still be in flight. `reading`: the request's storage read handle; a read
+        still running in a pool thread (a stuck mount, say) writes into the buffer until it
+        returns, so the regions wait for it first."""
+        if not regions:
             return
-        if regions:
+        if reading is not None and reading.busy:
             loop = asyncio.get_running_loop()
-            pool = self.transfer.pool
-            loop.call_later(self.deadline_s, lambda: [pool.free(r) for r in regions])
+
+            def later() -> None:
+                if reading.busy:
+                    loop.call_later(0.05, later)
+                else:
+                    self.release(regions, hold_s)
+
+            log.info("KV buffer waits for a storage read still running in its pool thread")
+            loop.call_later(0.05, later)
+            return
+        pool = self.transfer.pool
+        if hold_s <= 0:
+            for r in regions:
+                pool.free(r)
+            return
+        log.info(
+            "quarantining %d KV buffer bytes for %.1fs: a peer's WRITE may still land in them",
+            sum(r.nbytes for r in regions),
+            hold_s,
+        )
+        asyncio.get_running_loop().call_later(hold_s, lambda: [pool.free(r) for r in regions])
 
     # ---- stop -------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from dualpath.kv import KVLoadError, block_ids
+from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.transfer.engine import TransferEngine
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
@@ -69,6 +70,11 @@ class PrefillRole:
             layout = RequestLayout.of(model, int(req.hit_tokens), len(prompt))
         except ValueError as err:
             raise ValueError(f"Prefill {req.request_id}: {err}") from None
+        if len(req.cache_salt) > MAX_SALT_BYTES:
+            raise ValueError(
+                f"Prefill {req.request_id}: cache_salt is {len(req.cache_salt)} bytes; "
+                f"at most {MAX_SALT_BYTES}"
+            )
         path = PATH_NAMES.get(req.read_path, "prefill") if layout.hit_blocks else "none"
         transfer: TransferEngine = node.transfer
         peer = req.decode_agent
@@ -76,7 +82,7 @@ class PrefillRole:
             transfer.add_peer(req.decode_agent_metadata)
         new_tokens = layout.new_tokens
         self.load.tokens_queued += new_tokens
-        started = False
+        started = announced = False
         regions = []
         handle = None
         t0 = time.perf_counter()
@@ -95,7 +101,7 @@ class PrefillRole:
             forward: list[asyncio.Task] = []
             rid = req.request_id
             if path == "prefill":
-                ids = block_ids(prompt, model)[: layout.hit_blocks]
+                ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
                 handle = node.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:
@@ -112,6 +118,7 @@ class PrefillRole:
                 source = RemoteHitSource(transfer, peer, rid, layout, hit_region.tensor, timeout)
             else:
                 source = None
+            announced = True  # from here on the decode node may WRITE into the hit region
             await context.write(
                 wpb.PrefillMessage(
                     accepted=wpb.PrefillAccepted(
@@ -151,9 +158,12 @@ class PrefillRole:
                 except KVLoadError as err:
                     raise HitUnavailable(str(err), err.valid_blocks * model.block_tokens) from None
                 finally:
-                    for t in (*writes, *forward):
-                        if not t.done():
-                            t.cancel()
+                    pending = [t for t in (*writes, *forward) if not t.done()]
+                    for t in pending:
+                        t.cancel()
+                    # ended (and their NIXL handles released) before this call's status goes
+                    # out: the decode node frees its regions when it sees that status
+                    await asyncio.gather(*pending, return_exceptions=True)
                 logits = run.logits[-1].float().contiguous()
                 await context.write(
                     wpb.PrefillMessage(
@@ -193,5 +203,7 @@ class PrefillRole:
                 self.load.tokens_queued -= new_tokens
             if handle is not None:
                 handle.close()
-            node.release(regions, clean=ok)
+            # only path D's hit layers are written here by a peer (the decode node)
+            remote = path == "decode" and announced and not ok
+            node.release(regions, node.deadline_s if remote else 0.0, handle)
             transfer.discard_notifs(f"{req.request_id}/".encode())

@@ -1,6 +1,7 @@
 """The paper's inter-node scheduling (arXiv 2602.21548, DESIGN section 4), as pure functions.
 
-Three choices per request, each over the nodes that are healthy and not draining and, for the
+Three choices per request, each over the available nodes (`NodeState.available`, inlined on
+the hot path: healthy, not draining, not held by the scheduler's breaker) and, for the
 pair, of one config hash (`pick_pair`; DESIGN section 9: versions never pair):
 - prefill node: skip overloaded nodes (more than beta seconds of queued prefill tokens); among
   the rest prefer a short read queue (less than alpha seconds of SNIC reading pending); ties by
@@ -87,7 +88,7 @@ def _best_prefill(
     long: NodeState | None = None
     long_tok = 0
     for n, max_tok, short_bytes in limits:
-        if not n.healthy or n.draining:
+        if not n.healthy or n.draining or n.held:
             continue
         tok = n.tokens_queued + n.tokens_running
         if tok > max_tok:
@@ -119,7 +120,7 @@ def pick_decode(
         tok = 0
         cnt = 0
         for n in members:
-            if n.healthy and not n.draining:
+            if n.healthy and not n.draining and not n.held:
                 tok += n.tokens_queued + n.tokens_running
                 cnt += 1
         if cnt and (engines is None or tok < group_tok):
@@ -138,7 +139,7 @@ def pick_decode(
         cnt = 0
         room = False
         for n in members:
-            if n.healthy and not n.draining:
+            if n.healthy and not n.draining and not n.held:
                 tok += n.tokens_queued + n.tokens_running
                 cnt += 1
                 room = room or n.buffer_free_bytes >= need
@@ -158,7 +159,7 @@ def _pick_engine(
     room: NodeState | None = None
     room_tok = 0
     for n in engines:
-        if n.buffer_free_bytes < need or not n.healthy or n.draining:
+        if n.buffer_free_bytes < need or not n.healthy or n.draining or n.held:
             continue
         tok = n.tokens_queued + n.tokens_running
         if tok + length <= z and (
@@ -183,8 +184,8 @@ def config_mismatch(view: ClusterView) -> tuple[list[str], list[str]] | None:
     pre: list[str] = []
     dec: list[str] = []
     for pool in view.pools():
-        has_p = any(n.healthy and not n.draining for n in pool.prefill)
-        has_d = any(n.healthy and not n.draining for n in pool.decode)
+        has_p = any(n.healthy and not n.draining and not n.held for n in pool.prefill)
+        has_d = any(n.healthy and not n.draining and not n.held for n in pool.decode)
         if has_p and has_d:
             return None
         if has_p:

@@ -42,6 +42,9 @@ class NodeState:
     config_hash: str = ""
     healthy: bool = True
     draining: bool = False
+    # Kept out of routing by the scheduler's state: its circuit breaker is open (failed
+    # completions), or the request being decided excludes it (a retry). Set before `decide`.
+    held: bool = False
 
     @property
     def tokens(self) -> int:
@@ -49,7 +52,7 @@ class NodeState:
 
     @property
     def available(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.held
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,246 @@
+"""Failure-aware routing and node identity over real gRPC: a fake frontend (the real
+`GrpcBackend`) and fake decode workers (a tiny `Worker` servicer) around the real scheduler."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from dualpath import config
+from dualpath.frontend.app import create_app
+from dualpath.frontend.backend import BackendError, Finished, Routed, Tokens, TurnRequest
+from dualpath.frontend.grpc_backend import GrpcBackend
+from dualpath.scheduler.cli import build
+from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
+from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.v1 import worker_pb2_grpc as wpb_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+
+
+class FakeDecode(wpb_grpc.WorkerServicer):
+    """`fail`: "instant" (UNAVAILABLE before any token), "midway" (after 2 tokens), "cut" (the
+    stream ends after 2 tokens with status OK but no finish reason), "" (ok); `delay_s`
+    between tokens."""
+
+    def __init__(self, fail: str = "", delay_s: float = 0.0) -> None:
+        self.fail, self.delay_s, self.calls = fail, delay_s, 0
+
+    async def Generate(self, request, context):  # noqa: N802
+        self.calls += 1
+        if self.fail == "instant":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine is gone")
+        for i in range(request.max_new_tokens):
+            if self.fail == "midway" and i == 2:
+                await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
+            if self.fail == "cut" and i == 2:
+                return
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            last = i == request.max_new_tokens - 1
+            yield wpb.GenerateChunk(tokens=[5 + i], finish_reason="length" if last else "")
+
+
+async def _worker(servicer):
+    srv = grpc.aio.server()
+    wpb_grpc.add_WorkerServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    return srv, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def cluster():
+    """Scheduler + p0 (never called: the fake decodes answer alone) + decodes d0, d1."""
+    cfg = config.local_default()
+    sched = build(cfg, None, "127.0.0.1", 0)
+    await sched.start()
+    addr = f"127.0.0.1:{sched.port}"
+    made = {"servers": [], "agents": [], "sched": sched, "addr": addr, "cfg": cfg}
+
+    async def add_decode(node_id, servicer):
+        srv, waddr = await _worker(servicer)
+        made["servers"].append(srv)
+        agent = NodeAgent(
+            addr,
+            Registration(node_id, "decode", waddr),
+            lambda: pb.NodeLoad(buffer_free_bytes=1 << 40),
+        ).start()
+        made["agents"].append(agent)
+        return servicer
+
+    made["add_decode"] = add_decode
+    p0 = NodeAgent(
+        addr, Registration("p0", "prefill", "127.0.0.1:1"), lambda: pb.NodeLoad()
+    ).start()
+    made["agents"].append(p0)
+    yield made
+    for a in made["agents"]:
+        await a.stop()
+    for s in made["servers"]:
+        await s.stop(0)
+    await sched.stop(0)
+
+
+async def _ready(addr, n):
+    client = SchedulerClient(addr, timeout_s=5)
+    deadline = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            view = await client.cluster_view()
+            if sum(x.healthy for x in view.nodes) >= n:
+                return
+            await asyncio.sleep(0.02)
+    finally:
+        await client.close()
+    raise AssertionError("nodes did not register")
+
+
+async def _turn(backend, i, tokens=4):
+    events = []
+    async for ev in backend.generate(TurnRequest(f"t{i}", f"s{i}", [7] * 70, tokens)):
+        events.append(ev)
+    return events
+
+
+async def _settle(state, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return len(state.in_flight)
+
+
+async def test_a_turn_failing_before_its_first_token_is_retried_on_another_pair(cluster):
+    bad = await cluster["add_decode"]("d0", FakeDecode("instant"))
+    good = await cluster["add_decode"]("d1", FakeDecode())
+    await _ready(cluster["addr"], 3)
+    backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
+    await backend.start()
+    state = cluster["sched"].servicer.state
+    try:
+        for i in range(12):
+            events = await _turn(backend, i)
+            assert isinstance(events[0], Routed) and events[0].decode_node == "d1"
+            assert [e.ids for e in events if isinstance(e, Tokens)] == [[5], [6], [7], [8]]
+            assert events[-1] == Finished("length", 4)
+        assert await _settle(state) == 0
+        # the instant failures opened d0's breaker: it stops getting turns at all
+        assert state.open_breakers() == 1
+        assert bad.calls == 3 and good.calls == 12
+        registry = CollectorRegistry()  # the frontend's /metrics shows the backend's retries
+        create_app(cluster["cfg"], backend, registry)
+        assert b"dualpath_frontend_retries_total 3.0" in generate_latest(registry)
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"), [("midway", "INTERNAL"), ("cut", "without a finish reason")]
+)
+async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(cluster, fail, error):
+    await cluster["add_decode"]("d0", FakeDecode(fail))
+    await _ready(cluster["addr"], 2)
+    backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
+    await backend.start()
+    events = []
+    try:
+        with pytest.raises(BackendError, match=error):
+            async for ev in backend.generate(TurnRequest("t", "s", [7] * 70, 8)):
+                events.append(ev)
+        assert not any(isinstance(e, Finished) for e in events)
+        assert [e.ids for e in events if isinstance(e, Tokens)] == [[5], [6]]  # not retried
+        assert await _settle(cluster["sched"].servicer.state) == 0
+    finally:
+        await backend.close()
+
+
+async def test_cancelled_turns_end_their_in_flight_entries_and_do_not_open_breakers(cluster):
+    await cluster["add_decode"]("d0", FakeDecode(delay_s=0.05))
+    await cluster["add_decode"]("d1", FakeDecode(delay_s=0.05))
+    await _ready(cluster["addr"], 3)
+    backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
+    await backend.start()
+    state = cluster["sched"].servicer.state
+    try:
+        tasks = [asyncio.create_task(_turn(backend, i, tokens=50)) for i in range(20)]
+        while len(state.in_flight) < 20:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # streaming
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert await _settle(state) == 0
+        assert state.open_breakers() == 0
+        t0 = time.monotonic()
+        events = await _turn(backend, 99)  # served at once, nothing held
+        assert isinstance(events[-1], Finished) and time.monotonic() - t0 < 2.0
+    finally:
+        await backend.close()
+
+
+async def test_a_second_process_under_a_live_node_id_is_refused(cluster):
+    await cluster["add_decode"]("d0", FakeDecode())
+    await _ready(cluster["addr"], 2)
+    ch = grpc.aio.insecure_channel(cluster["addr"])
+    stub = __import__("dualpath.v1.scheduler_pb2_grpc", fromlist=["x"]).SchedulerStub(ch)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Register(
+                pb.RegisterRequest(
+                    node_id="d0", role=pb.ROLE_DECODE, address="evil:1", incarnation="other"
+                ),
+                timeout=5,
+            )
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        view = await stub.ClusterView(pb.ClusterViewRequest(), timeout=5)
+        assert {n.node_id: n.address for n in view.nodes}["d0"] != "evil:1"
+        route = await stub.Route(
+            pb.RouteRequest(prompt_tokens=100, context_bytes=1 << 20, exclude_nodes=["d0"]),
+            timeout=0.5,
+        )
+        raise AssertionError(f"routed to {route.decode_node} though d0 was excluded")
+    except grpc.aio.AioRpcError as err:
+        # d0 excluded leaves no decode: said at once, not after a queue timeout
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        await ch.close()
+
+
+async def test_with_no_other_pair_the_turn_fails_at_once_with_its_own_error(cluster):
+    await cluster["add_decode"]("d0", FakeDecode("instant"))
+    await _ready(cluster["addr"], 2)
+    backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
+    await backend.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BackendError, match="decode engine is gone.*no retry"):
+            await _turn(backend, 0)
+        assert time.monotonic() - t0 < 2.0  # not a queue timeout's wait
+        assert await _settle(cluster["sched"].servicer.state) == 0
+    finally:
+        await backend.close()
+
+
+async def test_a_duplicate_agent_waits_refused_then_replaces_the_stopped_one(cluster):
+    first = NodeAgent(
+        cluster["addr"], Registration("d9", "decode", "127.0.0.1:2"), lambda: pb.NodeLoad()
+    ).start()
+    await _ready(cluster["addr"], 2)
+    second = NodeAgent(
+        cluster["addr"], Registration("d9", "decode", "127.0.0.1:3"), lambda: pb.NodeLoad()
+    ).start()
+    state = cluster["sched"].servicer.state
+    try:
+        deadline = time.monotonic() + 5
+        while second.refusals < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert second.refusals >= 2 and not second.registrations
+        assert state.nodes["d9"].address == "127.0.0.1:2"
+        await first.stop()  # its heartbeats stop: after the node timeout the id is free
+        deadline = time.monotonic() + 10
+        while not second.registrations and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert state.nodes["d9"].address == "127.0.0.1:3"
+        assert state.nodes["d9"].incarnation == second.incarnation
+    finally:
+        await second.stop()
