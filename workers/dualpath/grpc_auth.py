@@ -10,8 +10,8 @@ channels are made here and nowhere else.
 Open without the token: the standard health service (it says only SERVING or not, and probes and
 `grpc_health_probe` carry no token) and server reflection (the service schema, public in
 `proto/`). Everything else, `Register`, `Route`, `Prefill`, `Generate`, `TransferInfo`, ..., needs
-the token: a node id is bound to a token holder, and the scheduler's incarnation check keeps an
-alive node id from a second registrant.
+the token: a node id is bound to a token holder, and among holders the scheduler's incarnation
+check keeps an alive node id from a second process.
 
 Rotation without a restart: the file holds one token a line. Servers accept every line, clients
 present the first; the file is re-read when it changes (the kubelet swaps a mounted Secret in
