@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
 from .reconcile import FIELD_MANAGER
 
@@ -50,6 +50,17 @@ class KubeApi:
             _request_timeout=REQUEST_TIMEOUT_S,
         )
         return out.to_dict()
+
+    def create_only(self, obj: dict[str, Any]) -> bool:
+        try:
+            self._res(obj["apiVersion"], obj["kind"]).create(
+                body=obj,
+                namespace=obj["metadata"].get("namespace"),
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        except ConflictError:  # AlreadyExists: leave it as it is
+            return False
+        return True
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:

@@ -19,7 +19,7 @@ from dualpath import config
 from dualpath.config import API_VERSION_FULL, KIND, Role
 
 from . import metrics, scaling
-from .builders import CHILD_KINDS, CLUSTER_LABEL, POOL_KIND, child_name, render
+from .builders import CHILD_KINDS, CLUSTER_LABEL, POOL_KIND, child_name, render, token_secret
 from .builders.checks import spec_warnings
 from .builders.common import selector_labels
 from .builders.pods import scheduler_address
@@ -36,6 +36,9 @@ class ClusterApi(Protocol):
         """Server-side apply; `metadata.resourceVersion` in `obj` is a precondition."""
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...
+
+    def create_only(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless it exists (never changes an existing one); True if created."""
 
     def list(
         self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
@@ -189,6 +192,15 @@ def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResul
 
     desired = render(cfg, owner)
     applied, failures = [], []
+    try:
+        ensure_token(api, cfg, owner, log)
+    except Exception as err:
+        failure = describe(err, f"Secret/{child_name(cfg, 'token')}")
+        if failure.retryable:
+            raise ChildApiError(failure) from err
+        metrics.API_ERRORS.labels(failure.reason, "false").inc()
+        log.warning("token Secret refused: %s", failure.message)
+        failures.append(failure)
     for obj in desired:
         if obj["kind"] == POOL_KIND:
             _guard_pool(obj, plan, pools[obj["spec"]["role"]], generation, log)
@@ -255,6 +267,18 @@ def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResul
         status["phase"],
     )
     return ReconcileResult(result, status, applied, pruned, failures, warnings)
+
+
+def ensure_token(api: ClusterApi, cfg: config.ClusterConfig, owner: dict, log) -> bool:
+    """Create the cluster token Secret when it is absent (a deleted one comes back, with a new
+    token); an existing one is never rewritten, so its token changes only when a person
+    rotates it. Only `create` on Secrets is needed: the operator reads no Secret."""
+    from dualpath.grpc_auth import new_token
+
+    created = api.create_only(token_secret(cfg, owner, new_token()))
+    if created:
+        log.info("created the cluster token Secret %s", child_name(cfg, "token"))
+    return created
 
 
 def _guard_pool(

@@ -1,4 +1,5 @@
-"""`dualpath render -f cluster.yaml`: exactly the manifests the operator applies."""
+"""`dualpath render -f cluster.yaml`: exactly the manifests the operator applies (and, with
+`--token-secret`, the random token Secret it creates once)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
     parser.add_argument("--uid", help="owner uid to set ownerReferences (as the operator does)")
     parser.add_argument("--crds", action="store_true", help="print the CRDs first")
+    parser.add_argument(
+        "--token-secret",
+        action="store_true",
+        help="also print the cluster token Secret with a fresh random token, which the operator "
+        "creates once when absent (without the operator: `kubectl create` it once; applying a "
+        "new one rotates the token under running pods)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from .builders import render
+    from dualpath.grpc_auth import new_token
+
+    from .builders import render, token_secret
     from .crd import cluster_crd, pool_crd
 
     try:
@@ -26,5 +36,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     owner = {"name": cfg.name, "uid": args.uid} if args.uid else None
     docs = ([cluster_crd(), pool_crd()] if args.crds else []) + render(cfg, owner)
+    if getattr(args, "token_secret", False):  # callers may build the namespace themselves
+        docs.insert(0, token_secret(cfg, owner, new_token()))
     sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
     return 0

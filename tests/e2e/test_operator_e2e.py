@@ -181,6 +181,7 @@ def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operat
                     ("networkpolicy", "scheduler"),
                     ("networkpolicy", "workers"),
                     ("networkpolicy", "frontend"),
+                    ("secret", "token"),  # created once (create-only)
                 ]
             ),
         )
@@ -345,6 +346,7 @@ def test_6_delete_completes_with_the_operator_stopped(namespace, operator, show_
                     ("deployment", "scheduler"),
                     ("configmap", "config"),
                     ("dualpathpool", "decode"),
+                    ("secret", "token"),  # by its owner reference
                 ]
             ),
         )

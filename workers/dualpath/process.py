@@ -70,6 +70,7 @@ class Placement:
     node_id: str = ""  # workers: the id the scheduler knows the node by
     advertise: str = ""  # workers: the host peers reach it at (with the bound port)
     api_keys: str = ""  # frontend: file or directory of API keys ("": the API is open)
+    token_file: str = ""  # every process: the cluster token file ("": gRPC unauthenticated)
 
 
 @dataclass(frozen=True)
@@ -120,4 +121,6 @@ def process_command(
             str(at.storage),
         ]
         env["DUALPATH_CONFIG_HASH"] = cfg.config_hash
+    if at.token_file:
+        args += ["--token-file", at.token_file]
     return ProcessCommand(ENTRY_POINT, tuple(args), env)

@@ -14,6 +14,7 @@ from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
 from ..scaling import SYNCED_REPLICAS
 from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
 from .netpol import network_policies
+from .pods import token_secret_name
 from .qos import opensm_qos_policy, qos_config_map, qos_env
 from .workloads import (
     frontend_objects,
@@ -49,6 +50,21 @@ def config_map(cfg: ClusterConfig, owner: dict | None) -> dict[str, Any]:
             "cluster.yaml": yaml.dump(cfg.to_resource(), Dumper=_YAML_DUMPER, sort_keys=False),
             "config-hash": cfg.config_hash,
         },
+    }
+
+
+def token_secret(cfg: ClusterConfig, owner: dict | None, token: str) -> dict[str, Any]:
+    """The cluster token every process presents on gRPC (`dualpath.grpc_auth`). Not part of
+    `render`: its data is random, so the operator creates it once (create-only, never applied:
+    an apply would rotate it every pass) and garbage collection deletes it with the cluster."""
+    from dualpath.grpc_auth import TOKEN_KEY
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(cfg, token_secret_name(cfg), "token", owner),
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token + "\n"},
     }
 
 
@@ -96,4 +112,5 @@ __all__ = [
     "pool",
     "qos_env",
     "render",
+    "token_secret",
 ]

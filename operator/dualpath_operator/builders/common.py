@@ -17,6 +17,8 @@ CONFIG_MOUNT = "/etc/dualpath"
 CONFIG_FILE = f"{CONFIG_MOUNT}/cluster.yaml"
 KV_MOUNT = "/var/lib/dualpath/kv"
 API_KEYS_MOUNT = "/etc/dualpath-api-keys"
+# The cluster token Secret (`<cluster>-token`, key `token`), mounted into every DualPath pod.
+TOKEN_MOUNT = "/etc/dualpath-token"
 
 
 def child_name(cfg: ClusterConfig, suffix: str) -> str:

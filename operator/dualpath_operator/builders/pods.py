@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from dualpath.config import ClusterConfig, PoolSpec, Role
+from dualpath.grpc_auth import TOKEN_KEY
 from dualpath.process import (
     Component,
     Placement,
@@ -26,6 +27,7 @@ from .common import (
     CONFIG_HASH_KEY,
     CONFIG_MOUNT,
     METRICS_PORT,
+    TOKEN_MOUNT,
     WORKER_GRPC_PORT,
     child_name,
     labels,
@@ -148,6 +150,7 @@ def pod_placement(cfg: ClusterConfig, component: Component | str) -> Placement:
         api_keys=API_KEYS_MOUNT
         if comp is Component.FRONTEND and cfg.spec.frontend.auth.secret_name
         else "",
+        token_file=f"{TOKEN_MOUNT}/{TOKEN_KEY}",
     )
 
 
@@ -178,6 +181,22 @@ def _api_keys_volumes(cfg: ClusterConfig, component: Component) -> list[dict[str
         return []
     secret = {"secretName": cfg.spec.frontend.auth.secret_name}
     return [{"name": "api-keys", "secret": secret}]
+
+
+def token_secret_name(cfg: ClusterConfig) -> str:
+    return child_name(cfg, "token")
+
+
+def _token_mount() -> dict[str, Any]:
+    # a directory mount (not subPath): the kubelet swaps the files in place on rotation
+    return {"name": "cluster-token", "mountPath": TOKEN_MOUNT, "readOnly": True}
+
+
+def _token_volume(cfg: ClusterConfig) -> dict[str, Any]:
+    """The cluster token Secret the operator creates once (`reconcile.ensure_token`)."""
+    # the default mode (0644): the processes run as a non-root uid without an fsGroup, and
+    # the volume is seen by this pod's one container only
+    return {"name": "cluster-token", "secret": {"secretName": token_secret_name(cfg)}}
 
 
 def _storage_volume(cfg: ClusterConfig) -> dict[str, Any]:
@@ -219,6 +238,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             _tmp_mount(),
+            _token_mount(),
             *_storage_mounts(cfg, comp),
         ],
         **worker_probes(cfg),
@@ -234,6 +254,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             _config_volume(cfg),
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
             _tmp_volume(),
+            _token_volume(cfg),
             *([_storage_volume(cfg)] if _storage_mounts(cfg, comp) else []),
         ],
     }
@@ -281,6 +302,7 @@ def control_pod_template(
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             _tmp_mount(),
+            _token_mount(),
             *_api_keys_mounts(cfg, component),
             *_storage_mounts(cfg, component),
         ],
@@ -298,6 +320,7 @@ def control_pod_template(
             "volumes": [
                 _config_volume(cfg),
                 _tmp_volume(),
+                _token_volume(cfg),
                 *_api_keys_volumes(cfg, component),
                 *([_storage_volume(cfg)] if _storage_mounts(cfg, component) else []),
             ],

@@ -100,7 +100,24 @@ def test_cluster_serves_hits_store_rejects_and_answers_match(tmp_path: Path) -> 
                         c.post("/v1/completions", json=body).json()["choices"][0]["text"] == plain
                     )
                     assert c.get("/health").status_code == 200
+                    _assert_grpc_needs_the_token(cl)
     assert answers["prefill-read"] == answers["decode-read"] == answers["dualpath"]
+
+
+def _assert_grpc_needs_the_token(cl: LocalCluster) -> None:
+    """`dualpath up` runs authenticated: its run directory's token is every process's, and a
+    caller without it gets nothing from the scheduler."""
+    import grpc
+    from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    assert cl.token_file.stat().st_mode & 0o777 == 0o600
+    assert all(["--token-file", str(cl.token_file)] == s.argv[-2:] for s in cl.specs)
+    with grpc.insecure_channel(cl.endpoints.scheduler) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            scheduler_pb2_grpc.SchedulerStub(ch).Route(
+                scheduler_pb2.RouteRequest(prompt_tokens=10), timeout=5
+            )
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_tenants_of_a_keyed_cluster_never_hit_each_others_cache(

@@ -136,6 +136,17 @@ class FakeApi:
             self._store(merged, merged.get("spec") != current.get("spec"))
         return copy.deepcopy(self.objects[key])
 
+    def create_only(self, obj):
+        self._call(f"create {obj['kind']}/{obj['metadata']['name']}")
+        m = obj["metadata"]
+        refused = self.refuse.get((obj["kind"], m["name"]))
+        if refused is not None:
+            raise refused
+        if self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]) in self.objects:
+            return False
+        self.create(obj)
+        return True
+
     def get(self, api_version, kind, ns, name):
         self._call(f"get {kind}/{name}")
         key = self.key(api_version, kind, ns, name)

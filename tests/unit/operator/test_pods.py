@@ -14,7 +14,12 @@ from dualpath.cli import build_parser
 from dualpath.local.cluster import LOCAL_WORKER_ENV, LocalCluster
 from dualpath.process import STORAGE_USERS, Component, termination_grace_seconds, uses_storage
 from dualpath_operator.builders import render
-from dualpath_operator.builders.common import CONFIG_FILE, METRICS_PORT, WORKER_GRPC_PORT
+from dualpath_operator.builders.common import (
+    CONFIG_FILE,
+    METRICS_PORT,
+    TOKEN_MOUNT,
+    WORKER_GRPC_PORT,
+)
 from dualpath_operator.builders.pods import PROBE_PERIOD_SECONDS, scheduler_address
 from dualpath_operator.builders.qos import qos_env
 
@@ -151,6 +156,8 @@ def test_pods_run_what_dualpath_up_runs_modulo_the_placement(example, tmp_path):
             want["advertise"] = ("127.0.0.1", f"$(POD_NAME).agents-{comp.value}")
             want["storage"] = (str(tmp_path / "kv"), example.spec.storage.path)
         want["port"] = (local["port"], pod_port[comp])
+        # every process holds the cluster token: the run directory's file, the Secret's
+        want["token_file"] = (str(cluster.token_file), f"{TOKEN_MOUNT}/token")
         for key, (local_value, pod_value) in want.items():
             assert local[key] == local_value, (comp, key)
             local[key] = pod_value
@@ -162,3 +169,29 @@ def test_pods_run_what_dualpath_up_runs_modulo_the_placement(example, tmp_path):
     assert seen == set(Component)
     # the pods' storage path stays the config's; only the workers were given the local dir
     assert cluster.cfg.spec.storage.path == example.spec.storage.path
+
+
+def test_every_pod_mounts_the_cluster_token_and_passes_it_to_its_process(example):
+    """Scheduler, workers and frontend read the token from the `<cluster>-token` Secret, mounted
+    as a directory (so a rotation reaches the running process), and parse `--token-file`."""
+    from dualpath_operator.builders.pods import token_secret_name
+
+    rendered = pods(example)
+    for comp, tpl in rendered.items():
+        (c,) = tpl["spec"]["containers"]
+        assert _parse(c["args"]).token_file == f"{TOKEN_MOUNT}/token", comp
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "cluster-token"]
+        assert mount == {"name": "cluster-token", "mountPath": TOKEN_MOUNT, "readOnly": True}
+        (vol,) = [v for v in tpl["spec"]["volumes"] if v["name"] == "cluster-token"]
+        assert vol["secret"]["secretName"] == token_secret_name(example) == "agents-token"
+
+
+def test_the_local_token_file_is_private_and_new_per_start(example, tmp_path):
+    first = LocalCluster(example, tmp_path / "run", storage_dir=tmp_path / "kv", grace_s=1)
+    assert first.token_file == tmp_path / "run" / "token"
+    assert first.token_file.stat().st_mode & 0o777 == 0o600
+    token = first.token_file.read_text().strip()
+    assert len(token) >= 40
+    again = LocalCluster(example, tmp_path / "run", storage_dir=tmp_path / "kv", grace_s=1)
+    assert again.token_file.read_text().strip() != token
+    assert again.token_file.stat().st_mode & 0o777 == 0o600

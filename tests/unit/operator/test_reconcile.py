@@ -63,6 +63,7 @@ def test_first_pass_creates_children_and_reports_progressing(api):
         "DualPathPool",
         "NetworkPolicy",
         "PodDisruptionBudget",
+        "Secret",
         "Service",
         "StatefulSet",
     ]
@@ -75,6 +76,37 @@ def test_first_pass_creates_children_and_reports_progressing(api):
     pool = api.obj(*DPP, "agents-decode")
     assert pool["status"]["selector"].startswith("app.kubernetes.io/name=dualpath")
     assert pool["metadata"]["annotations"][SYNCED_REPLICAS] == "8"
+
+
+def test_the_token_secret_is_created_once_and_never_rewritten(api):
+    """Created on the first pass with a random token, the cluster label and the owner reference
+    (garbage collection deletes it with the cluster); later passes, and a restarted operator,
+    leave it as it is (an apply would rotate it every pass); a deleted one comes back."""
+    reconcile(api, "default", "agents")
+    secret = api.obj("v1", "Secret", "agents-token")
+    token = secret["stringData"]["token"].strip()
+    assert len(token) >= 40
+    assert secret["metadata"]["labels"]["dualpath.io/cluster"] == "agents"
+    (ref,) = secret["metadata"]["ownerReferences"]
+    assert ref["uid"] == cr(api)["metadata"]["uid"] and ref["controller"] is True
+    version = secret["metadata"]["resourceVersion"]
+    for _ in range(3):
+        reconcile(api, "default", "agents")
+    again = api.obj("v1", "Secret", "agents-token")
+    assert again["stringData"]["token"].strip() == token
+    assert again["metadata"]["resourceVersion"] == version
+    assert not any(c.startswith("apply Secret") for c in api.calls)  # create-only, never applied
+    del api.objects[("v1", "Secret", "default", "agents-token")]
+    reconcile(api, "default", "agents")
+    assert api.obj("v1", "Secret", "agents-token")["stringData"]["token"].strip() != token
+
+
+def test_a_refused_token_secret_is_reported_and_the_rest_applied(api):
+    api.refuse[("Secret", "agents-token")] = api_error(403, "Forbidden", "secrets is forbidden")
+    result = reconcile(api, "default", "agents")
+    assert result.result == "apply_failed"
+    assert any("agents-token" in f.message or "secrets" in f.message for f in result.failures)
+    assert api.obj("apps/v1", "StatefulSet", "agents-decode")  # the rest still applied
 
 
 def test_a_settled_pass_and_a_restarted_operator_change_nothing(api):

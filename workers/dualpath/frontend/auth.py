@@ -73,18 +73,21 @@ class ApiKeys:
         path: str | Path,
         recheck_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        flag: str = "--api-keys",
     ) -> None:
         self.path = Path(path)
+        self.flag = flag  # what error messages call the path
         self.recheck_s = recheck_s
         self._clock = clock
         self._signature: tuple = ()
         self._keys: list[tuple[bytes, str, str]] = []  # (digest, key id, tenant)
+        self._first = ""  # the file's first key: what a client holding the file presents
         self._checked = -math.inf
         if not self.path.exists():
-            raise ApiKeysError(f"--api-keys {self.path}: no such file or directory")
+            raise ApiKeysError(f"{flag} {self.path}: no such file or directory")
         self._refresh(force=True)
         if not self._keys:
-            raise ApiKeysError(f"--api-keys {self.path}: holds no key")
+            raise ApiKeysError(f"{flag} {self.path}: holds no key")
 
     def _files(self) -> list[Path]:
         if self.path.is_dir():
@@ -118,24 +121,31 @@ class ApiKeys:
                     keys.setdefault(k, p.name if from_dir else f"key-{key_id(k)}")
         except OSError as err:
             # mid-rotation or removed: keep serving with the keys we have
-            log.warning("API keys at %s unreadable (%s); keeping the previous keys", self.path, err)
+            log.warning("keys at %s unreadable (%s); keeping the previous keys", self.path, err)
             return
         if not keys and self._keys:
-            log.warning("API keys at %s hold no key; keeping the previous keys", self.path)
+            log.warning("keys at %s hold no key; keeping the previous keys", self.path)
             return
         if self._signature:
             log.info(
-                "API keys at %s changed: %d keys of %d tenants now",
+                "keys at %s changed: %d keys of %d tenants now",
                 self.path,
                 len(keys),
                 len(set(keys.values())),
             )
         self._signature = sig
+        self._first = next(iter(keys), "")  # (a dict keeps the file's order)
         # kept as digests: every comparison is of 32 bytes, so not even a key's length leaks
         self._keys = [(_digest(k), key_id(k), tenant) for k, tenant in keys.items()]
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    @property
+    def first(self) -> str:
+        """The first current key (re-read when the file changed): what a client presents."""
+        self._refresh()
+        return self._first
 
     def match(self, presented: str) -> str | None:
         """The key id of `presented` if it is a current key, else None (constant time per key,

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from dualpath import config
+from dualpath.grpc_auth import add_token_argument
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "must present as 'Authorization: Bearer <key>'; re-read when it changes (default: "
         "$DUALPATH_API_KEYS_FILE; unset: the API is open)",
     )
+    add_token_argument(parser)
     parser.add_argument(
         "--fake",
         action="store_true",
@@ -47,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         from dualpath.frontend.grpc_backend import GrpcBackend
 
         sched = args.scheduler or f"127.0.0.1:{cfg.spec.scheduler.port}"
-        backend = GrpcBackend(cfg, sched)
+        from dualpath.grpc_auth import load as load_token
+
+        backend = GrpcBackend(cfg, sched, token=load_token(args.token_file, "frontend"))
     port = args.port if args.port is not None else cfg.spec.frontend.port
     keys_path = args.api_keys or default_keys_path()
     try:

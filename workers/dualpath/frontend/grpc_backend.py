@@ -18,6 +18,8 @@ from prometheus_client import Counter
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
+from dualpath.grpc_auth import ClusterToken
+from dualpath.grpc_auth import channel as token_channel
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
 from dualpath.worker import FAILED_NODE_KEY
@@ -59,7 +61,9 @@ class GrpcBackend:
         config: ClusterConfig,
         scheduler_address: str,
         timeout_s: float = 900.0,  # a whole turn: queueing behind other prefills included
+        token: ClusterToken | None = None,  # presented on every scheduler and worker call
     ) -> None:
+        self.token = token
         self.config = config
         self.model = config.spec.model
         self.scheduler_address = scheduler_address
@@ -83,7 +87,7 @@ class GrpcBackend:
     async def start(self) -> None:
         from dualpath.scheduler.client import SchedulerClient
 
-        self._sched = SchedulerClient(self.scheduler_address, timeout_s=30.0)
+        self._sched = SchedulerClient(self.scheduler_address, timeout_s=30.0, token=self.token)
 
     async def close(self) -> None:
         if self._completing:  # the last turns' Complete calls, within their own deadline
@@ -114,7 +118,7 @@ class GrpcBackend:
 
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = token_channel(address, self.token)
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:

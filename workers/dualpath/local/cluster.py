@@ -12,7 +12,9 @@ is `run_dir/cluster.yaml` instead of the ConfigMap mount, the scheduler is 127.0
 port instead of its Service, every port is free instead of fixed, the storage volume is a local
 directory (given to the workers only, as only their pods mount it), node ids are `<role>-<i>`
 instead of the pod names; and locally the entry point is `python -m dualpath.cli` with
-`--log-level`, workers get OMP_NUM_THREADS=1.
+`--log-level`, workers get OMP_NUM_THREADS=1. The cluster token is a fresh file in the run
+directory (`run_dir/token`, mode 0600) instead of the operator's Secret; every process gets it,
+so the local cluster's gRPC is authenticated as a deployed one is.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import IO
 import yaml
 
 from dualpath.config import ClusterConfig, from_resource
+from dualpath.grpc_auth import write_token_file
 from dualpath.local.supervisor import ProcSpec, Supervisor, free_port
 from dualpath.process import (
     Component,
@@ -71,7 +74,12 @@ def local_argv(cmd: ProcessCommand, log_level: str = "INFO") -> list[str]:
 
 
 def local_placement(
-    cfg_path: Path, component: Component, scheduler: str, storage: Path, index: int = 0
+    cfg_path: Path,
+    component: Component,
+    scheduler: str,
+    storage: Path,
+    index: int = 0,
+    token_file: Path | None = None,
 ) -> Placement:
     """A process's placement on this machine: loopback, free ports, the local storage dir for
     the processes that use storage."""
@@ -85,17 +93,22 @@ def local_placement(
         storage=str(storage) if uses_storage(component) else None,
         node_id=f"{component.value}-{index}" if worker else "",
         advertise=LOCAL_HOST if worker else "",
+        token_file=str(token_file or ""),
     )
 
 
 def process_specs(
-    cfg_path: Path, cfg: ClusterConfig, storage: Path, log_level: str = "INFO"
+    cfg_path: Path,
+    cfg: ClusterConfig,
+    storage: Path,
+    log_level: str = "INFO",
+    token_file: Path | None = None,
 ) -> tuple[list[ProcSpec], Endpoints]:
     ep = Endpoints()
     ep.scheduler = f"{LOCAL_HOST}:{free_port()}"
 
     def spec(component: Component, index: int = 0, **kw: object) -> tuple[ProcSpec, Placement]:
-        at = local_placement(cfg_path, component, ep.scheduler, storage, index)
+        at = local_placement(cfg_path, component, ep.scheduler, storage, index, token_file)
         cmd = process_command(cfg, component, at)
         name = at.node_id or component.value
         extra = LOCAL_WORKER_ENV if component.role else {}
@@ -150,7 +163,11 @@ class LocalCluster:
         self.storage = storage
         self.cfg_path = self.run_dir / "cluster.yaml"
         self.cfg_path.write_text(yaml.safe_dump(self.cfg.to_resource(), sort_keys=False))
-        self.specs, self.endpoints = process_specs(self.cfg_path, self.cfg, storage, log_level)
+        # a new token per start: a process of an earlier run cannot join this one
+        self.token_file = write_token_file(self.run_dir / "token")
+        self.specs, self.endpoints = process_specs(
+            self.cfg_path, self.cfg, storage, log_level, self.token_file
+        )
         grace = termination_grace_seconds(self.cfg) if grace_s is None else grace_s
         self.supervisor = Supervisor(grace_s=grace, sink=sink)
 

@@ -8,6 +8,8 @@ import logging
 import signal
 
 from dualpath import config
+from dualpath.grpc_auth import ClusterToken, add_token_argument
+from dualpath.grpc_auth import load as load_token
 from dualpath.observability import ObservabilityServer, loop_liveness
 
 log = logging.getLogger(__name__)
@@ -19,10 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="gRPC port (default: spec.scheduler.port)")
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
     parser.add_argument("--policy", help="override spec.scheduler.policy")
+    add_token_argument(parser)
 
 
 def build(
-    cfg: config.ClusterConfig, policy_name: str | None = None, host: str = "0.0.0.0", port: int = 0
+    cfg: config.ClusterConfig,
+    policy_name: str | None = None,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    token: ClusterToken | None = None,
 ):
     from dualpath.scheduler.policy import get_policy, thresholds_from_spec
     from dualpath.scheduler.service import SchedulerServer, SchedulerServicer
@@ -38,13 +45,13 @@ def build(
         block_tokens=cfg.spec.model.block_tokens,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
-    return SchedulerServer(servicer, host, port)
+    return SchedulerServer(servicer, host, port, token)
 
 
 async def serve(args: argparse.Namespace) -> None:
     cfg = config.load(args.file) if args.file else config.local_default()
     port = args.port if args.port is not None else cfg.spec.scheduler.port
-    server = build(cfg, args.policy, args.host, port)
+    server = build(cfg, args.policy, args.host, port, load_token(args.token_file, "scheduler"))
     obs = ObservabilityServer(
         args.metrics_port, live=loop_liveness(asyncio.get_running_loop())
     ).start()

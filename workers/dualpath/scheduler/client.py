@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from dualpath import grpc_auth
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -37,18 +38,24 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
+def channel(address: str, token: grpc_auth.ClusterToken | None = None) -> grpc.aio.Channel:
+    return grpc_auth.channel(
         address,
+        token,
         options=[("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)],
     )
 
 
 class SchedulerClient:
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 10.0,
+        token: grpc_auth.ClusterToken | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel(address)
+        self._channel = channel(address, token)
         self.stub = pb_grpc.SchedulerStub(self._channel)
 
     async def route(self, **fields) -> pb.RouteResponse:
@@ -118,13 +125,14 @@ class NodeAgent:
         interval_s: float = 0.02,
         rpc_timeout_s: float = 2.0,
         on_kv_snapshot: Callable[[int], None] | None = None,
+        token: grpc_auth.ClusterToken | None = None,
     ) -> None:
         self.reg = reg
         self.on_kv_snapshot = on_kv_snapshot  # the scheduler asks for a store scan (its id)
         self.load = load
         self.interval_s = interval_s
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = channel(scheduler_address)
+        self._channel = channel(scheduler_address, token)
         self.stub = pb_grpc.SchedulerStub(self._channel)
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()

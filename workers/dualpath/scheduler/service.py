@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dualpath.grpc_auth import ClusterToken, server_interceptors
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import NodeState, ReadPath, RouteRequest
@@ -360,9 +361,16 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 class SchedulerServer:
     """Owns the grpc.aio server, the health service and the liveness task."""
 
-    def __init__(self, servicer: SchedulerServicer, host: str = "0.0.0.0", port: int = 0) -> None:
+    def __init__(
+        self,
+        servicer: SchedulerServicer,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        token: ClusterToken | None = None,
+    ) -> None:
         self.servicer = servicer
-        self.server = grpc.aio.server()
+        # every call but health and reflection needs the cluster token (Register included)
+        self.server = grpc.aio.server(interceptors=server_interceptors(token, "scheduler"))
         pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

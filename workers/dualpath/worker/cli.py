@@ -9,6 +9,8 @@ import signal
 import socket
 
 from dualpath import config
+from dualpath.grpc_auth import add_token_argument
+from dualpath.grpc_auth import load as load_token
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
     parser.add_argument("--scheduler", default="", help="scheduler host:port (empty: none)")
     parser.add_argument("--storage", default=None, help="KV directory (default: spec.storage.path)")
+    add_token_argument(parser)
     # The worker's knobs live in spec.workers (so a deployed cluster sets them); these flags
     # override the config for local experiments and tests.
     parser.add_argument(
@@ -82,6 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
         advertise=args.advertise,
         advertise_host=os.environ.get("POD_IP")
         or (args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()),
+        token=load_token(args.token_file, f"{role.value} worker {node_id}"),
     )
     node = WorkerNode(cfg, opts)
     obs = ObservabilityServer(args.metrics_port, health=node.health, live=node.live).start()

@@ -23,6 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dualpath.config import ClusterConfig, Role
+from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_auth import channel as token_channel
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
@@ -54,6 +56,8 @@ class NodeOptions:
     request_timeout_s: float | None = None  # one Prefill call, queueing for compute included
     drain_s: float | None = None  # drain bound on SIGTERM
     store_backend: str = "auto"
+    # the cluster token every gRPC call to and from this node carries (None: unauthenticated)
+    token: ClusterToken | None = None
 
 
 def _given_or(given: float | None, spec_value: float) -> float:
@@ -213,10 +217,11 @@ class WorkerNode:
             self.decode = DecodeRole(self)
             self.decode.start()
         self._server = grpc.aio.server(
+            interceptors=server_interceptors(self.opts.token, f"{self.role.value}-worker"),
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
-            ]
+            ],
         )
         wpb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self._server)
         self._health = health.aio.HealthServicer()
@@ -267,6 +272,7 @@ class WorkerNode:
             reg,
             self.load,
             interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
+            token=self.opts.token,
         )
         self._publisher = KvEventPublisher(
             self._agent.stub, self.node_id, self.kv_events, self.store.scan_keys
@@ -342,8 +348,8 @@ class WorkerNode:
     def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            ch = self._channels[address] = token_channel(
+                address, self.opts.token, options=[("grpc.max_receive_message_length", 64 << 20)]
             )
         return wpb_grpc.WorkerStub(ch)
 

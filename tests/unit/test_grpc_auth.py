@@ -1,0 +1,81 @@
+"""The cluster token file: what is accepted, what is presented, rotation, the file's mode."""
+
+import os
+
+import pytest
+from dualpath.grpc_auth import OPEN_SERVICES, ClusterToken, TokenError, load, write_token_file
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_only_the_bearer_token_is_accepted(tmp_path):
+    path = write_token_file(tmp_path / "token", "s3cret-token")
+    token = ClusterToken(path)
+    assert token.first == "s3cret-token"
+    assert token.accepts((("authorization", "Bearer s3cret-token"),))
+    assert token.accepts((("x-other", "1"), ("authorization", "bearer s3cret-token")))
+    for metadata in (
+        None,
+        (),
+        (("authorization", "Bearer s3cret-tokeN"),),
+        (("authorization", "Bearer "),),
+        (("authorization", "s3cret-token"),),  # no scheme
+        (("authorization", "Basic s3cret-token"),),
+        (("authorization-bin", b"s3cret-token"),),
+        (("x-token", "Bearer s3cret-token"),),
+    ):
+        assert not token.accepts(metadata), metadata
+
+
+def test_a_rotation_is_read_without_a_restart(tmp_path):
+    clock = Clock()
+    path = write_token_file(tmp_path / "token", "old")
+    token = ClusterToken(path, clock=clock)
+    path.write_text("new-one\nold\n")
+    clock.t += 0.5
+    assert token.first == "old"  # re-checked at most every second
+    clock.t += 1.0
+    assert token.first == "new-one"
+    assert token.accepts((("authorization", "Bearer old"),))
+    path.write_text("new-one\n")
+    clock.t += 1.5
+    assert not token.accepts((("authorization", "Bearer old"),))
+    assert token.accepts((("authorization", "Bearer new-one"),))
+    path.write_text("")  # an emptied file keeps the previous tokens (mid-rotation)
+    clock.t += 1.5
+    assert token.first == "new-one"
+
+
+def test_the_token_file_is_private_and_random(tmp_path):
+    a = write_token_file(tmp_path / "a")
+    b = write_token_file(tmp_path / "b")
+    assert a.stat().st_mode & 0o777 == 0o600
+    assert a.read_text() != b.read_text() and len(a.read_text().strip()) >= 40
+    loose = tmp_path / "loose"
+    loose.write_text("x\n")
+    os.chmod(loose, 0o644)
+    write_token_file(loose)
+    assert loose.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_missing_or_empty_file_is_refused_naming_the_flag(tmp_path, monkeypatch):
+    with pytest.raises(TokenError, match="--token-file .*: no such file"):
+        ClusterToken(tmp_path / "absent")
+    (tmp_path / "empty").write_text("\n# only a comment\n")
+    with pytest.raises(SystemExit, match="dualpath scheduler: --token-file .*holds no key"):
+        load(str(tmp_path / "empty"), "scheduler")
+    monkeypatch.delenv("DUALPATH_TOKEN_FILE", raising=False)
+    assert load(None, "scheduler") is None  # unauthenticated, with a warning
+    monkeypatch.setenv("DUALPATH_TOKEN_FILE", str(write_token_file(tmp_path / "env", "e")))
+    assert load(None, "scheduler").first == "e"
+
+
+def test_only_health_and_reflection_are_open():
+    assert all(s.startswith("/grpc.") for s in OPEN_SERVICES)
+    assert not any("dualpath" in s for s in OPEN_SERVICES)
