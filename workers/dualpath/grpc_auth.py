@@ -211,9 +211,19 @@ class TokenChannel:
         await self._channel.close()
 
 
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 def channel(
     address: str, token: ClusterToken | None, options: Sequence[tuple[str, object]] = ()
 ) -> grpc.aio.Channel:
-    """A channel to a DualPath gRPC service whose every call presents the cluster token."""
-    plain = grpc.aio.insecure_channel(address, options=list(options))
+    """A channel to a DualPath gRPC service whose every call presents the cluster token.
+
+    Reconnects back off at most 1 s: gRPC's default climbs to 120 s, so a peer restarted after
+    a crash (a scheduler, a worker) went unreached for tens of seconds after it was back."""
+    plain = grpc.aio.insecure_channel(address, options=[*RECONNECT_OPTIONS, *options])
     return plain if token is None else TokenChannel(plain, token)

@@ -93,3 +93,11 @@ def test_a_replaced_incarnation_starts_with_a_closed_breaker():
     clock.t = 2.0
     st.register(NodeState("d0", "decode"), "b:2", incarnation="d0-two")
     assert st.open_breakers() == 0 and not st.view.node("d0").held
+
+
+def test_a_registrant_without_an_incarnation_cannot_take_over_a_live_node():
+    clock = Clock()
+    st = make(clock)
+    with pytest.raises(NodeConflict):
+        st.register(NodeState("d0", "decode"), "evil:1")  # sends none: still another identity
+    assert st.nodes["d0"].address == "b:1"

@@ -117,7 +117,8 @@ class SchedulerState:
         a taken id must not take over its traffic. A timed-out or draining one is replaced."""
         old = self.nodes.get(state.node_id)
         known = old is not None
-        if old is not None and incarnation and old.incarnation and old.incarnation != incarnation:
+        # a registrant that sends no incarnation is another identity too (no way around it)
+        if old is not None and old.incarnation != incarnation:
             now = self.clock()
             alive = old.state.healthy and now - old.last_seen_s <= self.node_timeout_s
             if alive and not old.state.draining:
@@ -359,7 +360,10 @@ class SchedulerState:
         """
         gap = config_mismatch(self.view)
         if gap is None:
-            return False, "all overloaded, without room, draining, unhealthy or failing (breaker open)"
+            return (
+                False,
+                "all overloaded, without room, draining, unhealthy or failing (breaker open)",
+            )
         pre, dec = (", ".join(h or "-" for h in hs) for hs in gap)
         msg = f"no prefill and decode node share a config hash (prefill: {pre}; decode: {dec})"
         self.refused_unpaired_total += 1
