@@ -5,7 +5,6 @@ route; a rotated token file is picked up without a restart."""
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from schedtools import free_port, wait_nodes
 
 TURNS = 36  # the hijack tried in issue 21 took over 29 of 36 turns
 LEGIT_DECODE = "127.0.0.1:7401"
@@ -26,22 +26,6 @@ ROGUE_DECODE = "127.0.0.1:6666"
 
 def load():
     return lambda: pb.NodeLoad(buffer_free_bytes=1 << 40)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_nodes(client, n, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        view = await client.cluster_view()
-        if sum(1 for x in view.nodes if x.healthy) >= n:
-            return view
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"fewer than {n} healthy nodes after {timeout_s}s")
 
 
 def _rotate(path: Path, *tokens: str) -> None:

@@ -3,7 +3,6 @@ KV events; a store left from an earlier run and a restarted scheduler are rebuil
 scan before Route answers with hits."""
 
 import asyncio
-import socket
 import time
 
 import torch
@@ -18,6 +17,7 @@ from dualpath.scheduler.index import pack_keys
 from dualpath.scheduler.kv_events import KvEventPublisher
 from dualpath.v1 import scheduler_pb2 as pb
 from prometheus_client import REGISTRY
+from schedtools import free_port
 
 BT = 16
 
@@ -34,12 +34,6 @@ def cluster_config(tmp_path):
             },
         }
     )
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_for(store, n_tokens):

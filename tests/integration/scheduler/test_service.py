@@ -3,10 +3,8 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -16,6 +14,7 @@ from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.v1 import scheduler_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
+from schedtools import free_port, wait_nodes
 
 
 def load(pending=0):
@@ -41,16 +40,6 @@ def agents_for(address, prefill=2, decode=2):
             )
         )
     return out
-
-
-async def wait_nodes(client, n, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        view = await client.cluster_view()
-        if sum(1 for x in view.nodes if x.healthy) >= n:
-            return view
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"fewer than {n} healthy nodes after {timeout_s}s")
 
 
 @pytest.fixture
@@ -109,12 +98,6 @@ async def test_route_drain_and_liveness(server):
         for a in agents:
             await a.stop()
         await client.close()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_scheduler(port):
