@@ -4,14 +4,7 @@ the outcomes of its requests, and a retry's exclusions, both applied before the 
 import pytest
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import SchedulerState
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from fake_clock import Clock
 
 
 def make(clock, decodes=("d0", "d1")):

@@ -14,6 +14,7 @@ from dualpath.scheduler.policy import (
     get_policy,
 )
 from dualpath.scheduler.state import SchedulerState
+from fake_clock import Clock
 
 
 def p(node_id, config_hash, **kw):
@@ -103,14 +104,6 @@ def test_pools_follow_membership_changes():
     view.decode[0].config_hash = "v1"  # e.g. the node re-registered with the new config
     view.membership_changed()
     assert get_policy("dualpath").decide(req(), view).decode_node == "d0"
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_state_registers_hashes_and_counts_unpaired_refusals(caplog):

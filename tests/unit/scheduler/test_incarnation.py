@@ -4,14 +4,7 @@ or draining one is replaced cleanly, and the replaced incarnation's heartbeats a
 import pytest
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import NodeConflict, SchedulerState
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from fake_clock import Clock
 
 
 def make(clock):

@@ -2,14 +2,7 @@
 
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import SchedulerState
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from fake_clock import Clock
 
 
 def make(clock):
