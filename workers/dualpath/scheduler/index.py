@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import sys
 from array import array
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -98,10 +98,11 @@ class BlockIndex:
         self._parent: dict[int, int] = {}  # present key -> parent key (ROOT, UNLINKED)
         self._kids: dict[int, int] = {}  # key (present or not) -> linked present children
         self._holes: dict[int, int] = {}  # absent key with present children -> its depth
-        # the same holes by depth, and their distinct depths sorted: a lookup checks only the
-        # depths inside its prefix, one set probe each (no pass over every hole)
-        self._holes_at: dict[int, set[int]] = {}
+        # the same holes by depth: their distinct depths sorted, and (depth, holes there) in the
+        # same order. A lookup checks only the depths inside its prefix, one set probe each
+        # (no pass over every hole)
         self._hole_depths: list[int] = []
+        self._hole_levels: list[tuple[int, set[int]]] = []
         self._publishers: dict[str, tuple[str, int]] = {}  # node -> (epoch, last seq)
         self._snapshot: _Snapshot | None = None
         self._ids = itertools.count(1)
@@ -202,21 +203,23 @@ class BlockIndex:
         if key in self._holes:
             return
         self._holes[key] = depth
-        at = self._holes_at.get(depth)
-        if at is None:
-            self._holes_at[depth] = at = set()
-            insort(self._hole_depths, depth)
-        at.add(key)
+        depths = self._hole_depths
+        i = bisect_left(depths, depth)
+        if i == len(depths) or depths[i] != depth:
+            depths.insert(i, depth)
+            self._hole_levels.insert(i, (depth, set()))
+        self._hole_levels[i][1].add(key)
 
     def _drop_hole(self, key: int) -> None:
         depth = self._holes.pop(key, None)
         if depth is None:
             return
-        at = self._holes_at[depth]
+        i = bisect_left(self._hole_depths, depth)
+        at = self._hole_levels[i][1]
         at.discard(key)
         if not at:
-            del self._holes_at[depth]
-            del self._hole_depths[bisect_left(self._hole_depths, depth)]
+            del self._hole_depths[i]
+            del self._hole_levels[i]
 
     # ---- rebuild ---------------------------------------------------------------------------
 
@@ -253,8 +256,8 @@ class BlockIndex:
         self._parent = dict.fromkeys(keys, UNLINKED)
         self._kids = {}
         self._holes = {}
-        self._holes_at = {}
         self._hole_depths = []
+        self._hole_levels = []
         for key, op in snap.log.items():
             if op is None:
                 self._remove(key)
@@ -281,10 +284,8 @@ class BlockIndex:
             depths = self._hole_depths
             inside = bisect_left(depths, b)  # distinct hole depths that lie inside the prefix
             if inside < b:  # the first hole inside the prefix ends it: bisect before it
-                at = self._holes_at
-                for i in range(inside):
-                    d = depths[i]
-                    if keys[d] in at[d]:
+                for d, at in self._hole_levels[:inside]:
+                    if keys[d] in at:
                         c.hole_cuts += 1
                         return self._boundary(keys, d)  # no hole lies below d
             elif not self._holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
