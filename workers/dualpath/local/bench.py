@@ -32,6 +32,97 @@ from dualpath.trace import TraceSpec, Trajectory, generate
 log = logging.getLogger(__name__)
 
 POLICIES = ("prefill-read", "dualpath")
+# The balance the emulated SNIC keeps: reading a turn's hit KV takes this many times its prefill
+# compute, as with hundreds of GB of KV per second of GPU prefill behind a 400 Gbps SNIC. A fixed
+# cap in Gbps would not: the CPU model's compute speed differs from one machine to the next.
+READ_TO_COMPUTE = 4.0
+
+
+def _snic_arg(value: str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        gbps = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or Gbps, got {value!r}") from None
+    if not gbps >= 0:
+        raise argparse.ArgumentTypeError(f"Gbps must be >= 0, got {value!r}")
+    return gbps
+
+
+@dataclass
+class SnicCalibration:
+    """How `--snic-gbps auto` chose the cap: the median measured turn and this CPU's time for it."""
+
+    hit_tokens: int
+    new_tokens: int
+    hit_bytes: int
+    prefill_s: float  # median of `samples` in-process prefills of that turn on this machine
+    samples: int
+    read_to_compute: float
+    snic_gbps: float
+
+
+def median_turn(
+    trajectories: list[Trajectory], warmup_turns: int, block_tokens: int
+) -> tuple[int, int]:
+    """(hit tokens, new tokens) of the median measured turn: its context before the turn in
+    whole blocks (what storage holds), and the rest."""
+    shapes = []
+    for tr in trajectories:
+        for i in range(warmup_turns, len(tr.turns)):
+            prompt = tr.prompt_tokens(i)
+            hit = (prompt - tr.turns[i].append_tokens) // block_tokens * block_tokens
+            shapes.append((hit, prompt - hit))
+    if not shapes:
+        raise ValueError("the trace has no measured turns (all of them are warm-up)")
+    shapes.sort()
+    return shapes[len(shapes) // 2]
+
+
+def calibrate_snic(
+    cfg: config.ClusterConfig,
+    trajectories: list[Trajectory],
+    warmup_turns: int,
+    read_to_compute: float = READ_TO_COMPUTE,
+    samples: int = 7,
+) -> SnicCalibration:
+    """Time the median turn's prefill in process (the engine the prefill worker runs, its hit
+    KV in memory) and derive the SNIC cap that makes its hit read `read_to_compute` times as long."""
+    import statistics
+
+    from dualpath.engine.calibrate import measure_one
+    from dualpath.engine.engine import Engine
+    from dualpath.kv.format import BlockLayout
+
+    if not read_to_compute > 0:
+        raise ValueError(f"read_to_compute must be > 0, got {read_to_compute}")
+    spec = cfg.spec.model
+    layout = BlockLayout.from_model(spec)
+    hit, new = median_turn(trajectories, warmup_turns, layout.block_tokens)
+    hit_bytes = hit // layout.block_tokens * layout.payload_bytes
+
+    async def timed() -> list[float]:
+        await measure_one(engine, hit, new, 1)  # warm-up
+        return [await measure_one(engine, hit, new, 1) for _ in range(samples)]
+
+    with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
+        prefill_s = statistics.median(asyncio.run(timed()))
+    gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
+    cal = SnicCalibration(
+        hit, new, hit_bytes, round(prefill_s, 4), samples, read_to_compute, round(gbps, 4)
+    )
+    log.info(
+        "SNIC cap %.3f Gbps: the median turn (%d hit + %d new tokens) prefills in %.3f s here, "
+        "its %.1f MB hit reads in %.1fx that",
+        gbps,
+        hit,
+        new,
+        prefill_s,
+        hit_bytes / 1e6,
+        read_to_compute,
+    )
+    return cal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +141,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=2, help="decode workers (D)")
     parser.add_argument(
         "--snic-gbps",
+        type=_snic_arg,
+        default="auto",
+        help="emulated SNIC cap per node in Gbps; 'auto' (default) measures this CPU's prefill "
+        "of the trace's median turn and sets the cap so reading that turn's hit KV takes "
+        "--read-to-compute times as long (the storage-bound balance of a GPU cluster on 400 "
+        "Gbps SNICs, whatever the CPU's speed); 0 keeps spec.storage.snicGbps",
+    )
+    parser.add_argument(
+        "--read-to-compute",
         type=float,
-        default=0.25,
-        help="emulated SNIC cap per node. The default makes reading a turn's hit KV take "
-        "~4x its prefill compute on one CPU core, the storage-bound balance of a GPU cluster "
-        "on 400 Gbps SNICs; 0 keeps spec.storage.snicGbps",
+        default=READ_TO_COMPUTE,
+        help="with --snic-gbps auto: a turn's hit read time over its prefill compute time",
     )
     parser.add_argument("--agents", type=int, default=12)
     parser.add_argument("--turns", type=int, default=10, help="max turns per agent")
@@ -454,7 +552,9 @@ def plot(results: list[PolicyResult], path: str) -> None:
     plt.close(fig)
 
 
-def base_config(args: argparse.Namespace) -> config.ClusterConfig:
+def base_config(args: argparse.Namespace, snic_gbps: float | None = None) -> config.ClusterConfig:
+    """The cluster the bench runs: the file (or the local default) with the bench's replicas,
+    run directory and SNIC cap (`snic_gbps`, else a numeric --snic-gbps; 0 keeps the spec's)."""
     from dualpath.local.cluster import with_overrides
 
     cfg = config.load(args.file) if args.file else config.local_default()
@@ -463,22 +563,15 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
         "decode.replicas": args.decode,
         "storage.path": str(Path(args.out).resolve() / "kv"),  # absolute, as the model asks
     }
-    if args.snic_gbps:
-        over["storage.snicGbps"] = args.snic_gbps
+    if snic_gbps is None and isinstance(args.snic_gbps, float):
+        snic_gbps = args.snic_gbps
+    if snic_gbps:
+        over["storage.snicGbps"] = snic_gbps
     return with_overrides(cfg, **over)
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
-    cfg = base_config(args)
-    if cfg.spec.storage.snic_gbps <= 0:
-        print(
-            "error: storage.snicGbps must be > 0 for the local benchmark (the emulated SNIC "
-            "cap); pass --snic-gbps",
-            file=sys.stderr,
-        )
-        return 2
-    spec = TraceSpec(
+def trace_spec(args: argparse.Namespace) -> TraceSpec:
+    return TraceSpec(
         agents=args.agents,
         max_context_tokens=args.context,
         max_turns=args.turns,
@@ -488,7 +581,29 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         length_sigma=0.3,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    spec = trace_spec(args)
     trajectories = generate(spec)
+    calibration = None
+    if args.snic_gbps == "auto":
+        try:
+            calibration = calibrate_snic(
+                base_config(args), trajectories, args.warmup_turns, args.read_to_compute
+            )
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    cfg = base_config(args, calibration.snic_gbps if calibration else None)
+    if cfg.spec.storage.snic_gbps <= 0:
+        print(
+            "error: storage.snicGbps must be > 0 for the local benchmark (the emulated SNIC "
+            "cap); pass --snic-gbps",
+            file=sys.stderr,
+        )
+        return 2
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.log_file or Path(args.out) / "cluster.log")
     out: list[PolicyResult] = []
@@ -514,6 +629,7 @@ def run(args: argparse.Namespace) -> int:
             "prefill": cfg.spec.prefill.replicas,
             "decode": cfg.spec.decode.replicas,
             "snic_gbps": cfg.spec.storage.snic_gbps,
+            "snic_calibration": asdict(calibration) if calibration else None,
             "model": cfg.spec.model.name,
             "trace": asdict(spec),
         },
