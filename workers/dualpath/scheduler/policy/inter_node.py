@@ -113,28 +113,17 @@ def _before(a: NodeState, b: NodeState) -> bool:
 def pick_decode(
     request: RouteRequest, groups: list[tuple[str, list[NodeState]]]
 ) -> NodeState | None:
-    """The paper's decode choice over one config pool's groups; None: no engine has room."""
-    # Phase 1: the group with the fewest tokens (over its available engines).
-    group_tok, group_n, engines = 0, 0, None
-    for _, members in groups:  # sorted by name: the first of equal groups wins
-        tok = 0
-        cnt = 0
-        for n in members:
-            if n.healthy and not n.draining and not n.held:
-                tok += n.tokens_queued + n.tokens_running
-                cnt += 1
-        if cnt and (engines is None or tok < group_tok):
-            group_tok, group_n, engines = tok, cnt, members
-    if engines is None:
-        return None
-    d = _pick_engine(request, engines, group_tok, group_n)
-    if d is not None:
-        return d
-    # The paper's group would queue the request until memory frees up; a router has no such
-    # queue, so the least-loaded group that has an engine with room for the context takes it.
+    """The paper's decode choice over one config pool's groups; None: no engine has room.
+
+    Phase 1 takes the group with the fewest tokens (over its available engines). The paper's
+    group would queue a request until memory frees up; a router has no such queue, so a
+    least-loaded group without an engine that has room for the context gives way to the
+    least-loaded group that has one. That is one rule, "the least-loaded group with room",
+    found in one pass (the least-loaded group, when it has room, is also the first of them).
+    """
     need = request.context_bytes
-    best = None
-    for _, members in groups:
+    best_tok, best_n, engines = 0, 0, None
+    for _, members in groups:  # sorted by name: the first of equal groups wins
         tok = 0
         cnt = 0
         room = False
@@ -143,9 +132,10 @@ def pick_decode(
                 tok += n.tokens_queued + n.tokens_running
                 cnt += 1
                 room = room or n.buffer_free_bytes >= need
-        if room and (best is None or tok < best[0]):
-            best = (tok, cnt, members)
-    return None if best is None else _pick_engine(request, best[2], best[0], best[1])
+        if room and (engines is None or tok < best_tok):
+            best_tok, best_n, engines = tok, cnt, members
+    # Phase 2 within the group: it has an available engine with room, so this is never None.
+    return None if engines is None else _pick_engine(request, engines, best_tok, best_n)
 
 
 def _pick_engine(
