@@ -153,6 +153,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     """A last chunk with `choices: []` and the usage, before `[DONE]` (OpenAI's)."""
+    continuous_usage_stats: bool = False
+    """The usage so far on every chunk too (vLLM's)."""
 
 
 class _Req(BaseModel):
@@ -569,7 +571,8 @@ def create_app(
         on_text=None,
         on_start=None,
     ) -> dict[str, Any]:
-        """Drive a turn to the end; `on_text(str)` gets each text delta (streaming),
+        """Drive a turn to the end; `on_text(str, usage)` gets each text delta and the usage
+        so far (streaming),
         `on_start()` is called once the backend has started serving it (its first event)."""
         t0 = time.perf_counter()
         dec = tok.stream()
@@ -600,11 +603,11 @@ def create_app(
                         delta = delta[: max(0, len(delta) - (len(out_text) - cut))]
                         out_text = out_text[:cut]
                         if on_text and delta:
-                            await on_text(delta)
+                            await on_text(delta, usage_of(turn, out_ids, routed))
                         finish = "stop"
                         break
                     if on_text and delta:
-                        await on_text(delta)
+                        await on_text(delta, usage_of(turn, out_ids, routed))
                 elif isinstance(ev, Finished):
                     finish = ev.reason
         finally:
@@ -613,7 +616,7 @@ def create_app(
         if tail and finish != "stop":
             out_text += tail
             if on_text:
-                await on_text(tail)
+                await on_text(tail, usage_of(turn, out_ids, routed))
         metrics.tokens.labels("prompt").inc(len(turn.prompt_ids))
         metrics.tokens.labels("generated").inc(len(out_ids))
         if routed:
@@ -626,12 +629,7 @@ def create_app(
         return {
             "text": out_text,
             "finish_reason": finish,
-            "usage": {
-                "prompt_tokens": len(turn.prompt_ids),
-                "completion_tokens": len(out_ids),
-                "total_tokens": len(turn.prompt_ids) + len(out_ids),
-                "prompt_tokens_details": {"cached_tokens": routed.hit_tokens if routed else 0},
-            },
+            "usage": usage_of(turn, out_ids, routed),
             "dualpath": {
                 "read_path": routed.read_path if routed else "none",
                 "prefill_node": routed.prefill_node if routed else "",
@@ -640,6 +638,14 @@ def create_app(
                 "session_id": sid,
                 "token_ids": out_ids,
             },
+        }
+
+    def usage_of(turn: TurnRequest, out_ids: list[int], routed: Routed | None) -> dict:
+        return {
+            "prompt_tokens": len(turn.prompt_ids),
+            "completion_tokens": len(out_ids),
+            "total_tokens": len(turn.prompt_ids) + len(out_ids),
+            "prompt_tokens_details": {"cached_tokens": routed.hit_tokens if routed else 0},
         }
 
     def count(endpoint: str, status: int, outcome: str) -> None:
@@ -657,8 +663,9 @@ def create_app(
             stops = stops_of(req)
             created = int(time.time())
             if req.stream:
-                usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await start_stream(endpoint, turn, sid, text, stops, chat, created, usage)
+                return await start_stream(
+                    endpoint, turn, sid, text, stops, chat, created, req.stream_options
+                )
             res = await run_turn(turn, sid, text, stops)
         except Exception as exc:  # noqa: BLE001 (every failure gets a status and is counted)
             err = error_of(exc)
@@ -720,13 +727,15 @@ def create_app(
         stops: list[str],
         chat: bool,
         created: int,
-        include_usage: bool,
+        options: StreamOptions | None,
     ) -> Response:
         """SSE: the status is sent only once the backend has started serving the turn, so a
         failure before that is a real 4xx/5xx (raised to `serve`); one after it is an SSE error
         event with no finish chunk and no `[DONE]`, never an empty success."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         started = asyncio.Event()
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, extra: dict | None = None) -> bytes:
@@ -750,8 +759,8 @@ def create_app(
             }
             return f"data: {json.dumps(body)}\n\n".encode()
 
-        async def on_text(delta: str) -> None:
-            await queue.put(chunk(delta, None))
+        async def on_text(delta: str, usage: dict) -> None:
+            await queue.put(chunk(delta, None, {"usage": usage} if continuous else None))
 
         async def drive() -> None:
             try:
@@ -771,7 +780,8 @@ def create_app(
                 return
             started.set()
             count(endpoint, 200, res["finish_reason"])
-            await queue.put(chunk(None, res["finish_reason"], {"dualpath": res["dualpath"]}))
+            extra = {"dualpath": res["dualpath"], **({"usage": res["usage"]} if continuous else {})}
+            await queue.put(chunk(None, res["finish_reason"], extra))
             if include_usage:  # OpenAI's: a chunk of its own, after the finish reason
                 await queue.put(event([], {"usage": res["usage"]}))
             await queue.put(b"data: [DONE]\n\n")
