@@ -99,6 +99,17 @@ def test_sdk_completions_sessions_and_sampling(sdk: openai.OpenAI) -> None:
     assert s1.choices[0].text == s2.choices[0].text
     ids = a.model_extra["dualpath"]["token_ids"]
     assert ByteTokenizer(512).decode(ids) == a.choices[0].text
+    # top_k=1 sampling is greedy, bit for bit
+    k1 = sdk.completions.create(**{**kw, "seed": 3}, extra_body={"top_k": 1})
+    assert k1.model_extra["dualpath"]["token_ids"] == ids
+    # a stop id ends the answer; min_tokens holds it back (the worker masks it)
+    body = dict(model=model, prompt=prompt, max_tokens=8)
+    stop = sdk.completions.create(**body, extra_body={"stop_token_ids": [ids[0]]})
+    assert (stop.usage.completion_tokens, stop.choices[0].finish_reason) == (1, "stop")
+    held = sdk.completions.create(
+        **body, extra_body={"stop_token_ids": [ids[0]], "min_tokens": 3}
+    ).model_extra["dualpath"]["token_ids"]
+    assert len(held) >= 3 and ids[0] not in held[:3]
 
 
 def test_sdk_errors_name_the_field(sdk: openai.OpenAI) -> None:

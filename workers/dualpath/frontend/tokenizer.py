@@ -43,12 +43,17 @@ class ByteTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The chat template: one `<|role|>content\\n` line per message, then the assistant cue."""
-        parts = [f"<|{m['role']}|>{m['content']}\n" for m in messages]
-        return "".join(parts) + "<|assistant|>"
+        return render_chat(messages)
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
+
+
+def render_chat(messages: Sequence[dict[str, str]]) -> str:
+    """The chat template: one `<|role|>content\\n` line per message, then the assistant cue
+    (`CHAT_TEMPLATE` says the same in Jinja, for clients)."""
+    parts = [f"<|{m['role']}|>{m['content']}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>"
 
 
 class StreamDecoder:
@@ -190,7 +195,7 @@ class HfTokenizer:
 
     def chat(self, messages: Sequence[dict[str, str]]) -> str:
         if self._template is None:
-            return ByteTokenizer.chat(self, messages)  # type: ignore[arg-type]
+            return render_chat(messages)
         specials = {
             k: (v.get("content") if isinstance(v, dict) else v) or ""
             for k, v in self._specials.items()

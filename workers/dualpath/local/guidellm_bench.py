@@ -160,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
     parser.add_argument("--prefix-count", type=int, default=d.prefix_count)
     parser.add_argument("--requests", type=int, default=d.requests)
+    parser.add_argument(
+        "--snic-gbps",
+        type=float,
+        default=0.0,
+        help="emulated SNIC cap per node for the clusters started (0: spec.storage.snicGbps)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="per guidellm run, s")
 
 
@@ -176,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         args.requests,
     )
     cfg = config.load(args.file) if args.file else config.local_default()
+    if args.snic_gbps > 0:
+        cfg = with_overrides(cfg, **{"storage.snicGbps": args.snic_gbps})
     out = Path(args.out).resolve()
     results: dict[str, Any] = {}
     if args.url:
