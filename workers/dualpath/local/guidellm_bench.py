@@ -84,6 +84,9 @@ def run_guidellm(
     # offline: the tokenizer is a local directory, nothing to fetch
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.setdefault("HF_HOME", str(workdir / "hf"))
+    # its default spawns 10 worker processes that each import it (tens of seconds on 2 cores);
+    # one asyncio worker drives these few streams
+    env.setdefault("GUIDELLM__MAX_WORKER_PROCESSES", "1")
     cmd = guidellm_command(url, model, tokenizer, load, report)
     log.info("guidellm: %s", " ".join(cmd[1:]))
     with open(workdir / "guidellm.log", "w") as out:
@@ -140,6 +143,12 @@ def _later_share(ok: list[dict]) -> float:
     return round(cached / prompt, 4) if prompt else 0.0
 
 
+def _machine(before: float) -> dict[str, float]:
+    """The 1-minute load average around a run: on a shared machine it shows how much of the
+    figures is other work."""
+    return {"loadavg_before": round(before, 1), "loadavg_after": round(os.getloadavg()[0], 1)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -166,6 +175,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="emulated SNIC cap per node for the clusters started (0: spec.storage.snicGbps)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the policies in turn this many times"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="per guidellm run, s")
 
 
@@ -189,25 +201,30 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         if not args.tokenizer:
             raise SystemExit("dualpath bench guidellm: --url needs --tokenizer <dir>")
+        before = os.getloadavg()[0]
         report = run_guidellm(
             args.url, cfg.spec.model.name, args.tokenizer, load, out, args.timeout
         )
-        results["url"] = summarize(report)
-    for policy in [] if args.url else [p for p in args.policies.split(",") if p]:
+        results["url"] = {**summarize(report), **_machine(before)}
+    policies = [p for p in args.policies.split(",") if p]
+    runs = [] if args.url else [(r, p) for r in range(1, args.rounds + 1) for p in policies]
+    for rnd, policy in runs:
+        name = policy if rnd == 1 else f"{policy}#{rnd}"
         pcfg = with_overrides(
             cfg, **{"scheduler.policy": policy, "storage.path": str(out / f"kv-{policy}")}
         )
         sink = io.StringIO() if args.json else None
-        with LocalCluster(pcfg, out / policy, sink=sink, fresh_storage=True) as cluster:
+        with LocalCluster(pcfg, out / name, sink=sink, fresh_storage=True) as cluster:
+            before = os.getloadavg()[0]
             report = run_guidellm(
                 cluster.endpoints.frontend,
                 pcfg.spec.model.name,
                 cluster.tokenizer_dir,
                 load,
-                out / policy,
+                out / name,
                 args.timeout,
             )
-        results[policy] = summarize(report)
+        results[name] = {**summarize(report), **_machine(before)}
     doc = {"client": "guidellm", "model": cfg.spec.model.name, "load": asdict(load), **results}
     print(json.dumps(doc, indent=None if args.json else 2))
     failed = [k for k, v in results.items() if v["errored"] or v["incomplete"]]
