@@ -168,6 +168,12 @@ async def test_one_prompt_in_a_list_is_served(client) -> None:
         ("/v1/chat/completions", {"tools": []}, "tools", "unknown_parameter"),
         (
             "/v1/chat/completions",
+            {"messages": [{"role": "tool", "content": "ok", "tool_call_id": "c1"}]},
+            "messages.0.tool_call_id",
+            "unknown_parameter",
+        ),
+        (
+            "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x", "x": 1}]},
             "messages.0.x",
             "unknown_parameter",

@@ -207,8 +207,6 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
