@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("dualpath.transfer.bench", "D->P layer stream vs raw NIXL WRITE throughput"),
     "scheduler": ("dualpath.scheduler.bench", "policy decision latency in process and over gRPC"),
     "local": ("dualpath.local.bench", "replay an agentic trace on a local cluster per policy"),
+    "guidellm": ("dualpath.local.guidellm_bench", "guidellm's multi-turn load per policy"),
 }
 
 

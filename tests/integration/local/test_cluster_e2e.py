@@ -69,8 +69,10 @@ def test_cluster_serves_hits_store_rejects_and_answers_match(tmp_path: Path) -> 
         with LocalCluster(cfg, tmp_path / policy, sink=io.StringIO(), grace_s=3) as cl:
             with httpx.Client(base_url=cl.endpoints.frontend, timeout=120) as c:
                 turns = _session(c, model, "s1")
-                assert turns[0]["usage"]["cached_tokens"] == 0
-                assert all(t["usage"]["cached_tokens"] > 0 for t in turns[1:])
+                assert turns[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                assert all(
+                    t["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for t in turns[1:]
+                )
                 if policy != "dualpath":
                     want = "prefill" if policy == "prefill-read" else "decode"
                     assert {t["dualpath"]["read_path"] for t in turns[1:]} == {want}
@@ -142,7 +144,9 @@ def test_tenants_of_a_keyed_cluster_never_hit_each_others_cache(
             for tenant in ("team-a", "team-b"):
                 c.headers["Authorization"] = f"Bearer sk-{tenant}"
                 turns = _session(c, model, "s1")  # the same session id and prompts
-                cached[tenant] = [t["usage"]["cached_tokens"] for t in turns]
+                cached[tenant] = [
+                    t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in turns
+                ]
     assert cached["team-a"][0] == 0 and all(n > 0 for n in cached["team-a"][1:])
     assert cached["team-b"] == cached["team-a"]  # B starts cold: nothing of A's is hit
 

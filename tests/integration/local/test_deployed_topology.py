@@ -63,12 +63,12 @@ def test_frontend_and_scheduler_serve_hits_without_the_storage_volume(tmp_path: 
             assert gets_volume == uses_storage(component), spec.name
         with httpx.Client(base_url=cl.endpoints.frontend, timeout=120) as c:
             turn1 = _complete(c, model, first, "agent")
-            assert turn1["usage"]["cached_tokens"] == 0
+            assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             second = first + turn1["dualpath"]["token_ids"] + [4 + i for i in range(20)]
             turn2 = _complete(c, model, second, "agent")
     assert any(volume.rglob("*")), "the workers stored no blocks in their volume"
     # the hit was found although neither the frontend nor the scheduler can reach the store
-    assert turn2["usage"]["cached_tokens"] >= (len(first) // BT) * BT
+    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(first) // BT) * BT
     assert turn2["dualpath"]["read_path"] in ("prefill", "decode")
 
     # a recompute of the same turn: a fresh cluster, an empty volume
@@ -77,7 +77,7 @@ def test_frontend_and_scheduler_serve_hits_without_the_storage_volume(tmp_path: 
     ) as cl:
         with httpx.Client(base_url=cl.endpoints.frontend, timeout=120) as c:
             recompute = _complete(c, model, second, "fresh")
-    assert recompute["usage"]["cached_tokens"] == 0
+    assert recompute["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert turn2["dualpath"]["token_ids"] == recompute["dualpath"]["token_ids"]
     # nothing ever created the pods' storage path on this machine
     assert not pod_storage.parent.exists()

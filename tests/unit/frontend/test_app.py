@@ -72,7 +72,7 @@ async def test_chat_streaming_and_not(client: httpx.AsyncClient) -> None:
         for ln in r.text.splitlines()
         if ln.startswith("data: ") and ln != "data: [DONE]"
     ]
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert streamed == content
 
@@ -88,7 +88,7 @@ async def test_second_turn_of_session_hits_store(
             json={"model": MODEL, "prompt": first, "max_tokens": 4, "session_id": "s1"},
         )
     ).json()
-    assert r1["usage"]["cached_tokens"] == 0
+    assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     second = first + r1["choices"][0]["text"] + "more " * 20
     r2 = (
         await client.post(
@@ -96,7 +96,7 @@ async def test_second_turn_of_session_hits_store(
             json={"model": MODEL, "prompt": second, "max_tokens": 4, "session_id": "s1"},
         )
     ).json()
-    assert r2["usage"]["cached_tokens"] >= 3 * bt
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * bt
     assert r2["dualpath"]["read_path"] in ("prefill", "decode")
 
 

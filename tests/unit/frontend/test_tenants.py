@@ -48,7 +48,7 @@ async def _cached(c: httpx.AsyncClient, key: str | None, **extra) -> int:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **extra}
     r = await c.post("/v1/completions", json=body, headers=headers)
     assert r.status_code == 200, r.text
-    return r.json()["usage"]["cached_tokens"]
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def test_cache_salt_is_empty_only_without_tenant_and_request_salt():

@@ -29,12 +29,21 @@ class SamplingParams:
     max_tokens: int = 16
     stop_tokens: tuple[int, ...] = ()
     seed: int = 0
+    top_p: float = 1.0  # nucleus: the smallest set of ids holding this probability; 1 = off
+    top_k: int = 0  # the k most likely ids only; 0 = off
+    min_tokens: int = 0  # stop tokens cannot be sampled before this many are generated
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy)")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1] (1 = off)")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 = off)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,31 @@ class Sequence_:
     finished: bool = False
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Greedy (argmax, lowest id on ties) or temperature sampling from one logits row."""
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator | None,
+    generated: int = 0,
+) -> int:
+    """Greedy (argmax, lowest id on ties) or temperature sampling with top-k then top-p
+    filtering from one logits row; `generated`: tokens the sequence has produced so far (stop
+    tokens are masked while it is below `min_tokens`)."""
     logits = logits.reshape(-1).float()
+    if generated < params.min_tokens and params.stop_tokens:
+        logits = logits.clone()
+        logits[[t for t in params.stop_tokens if 0 <= t < logits.numel()]] = -math.inf
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # keep an id while the mass before it is below top_p (the first id always stays)
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
+        probs = probs.scatter(0, order[drop], 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))
 
 

@@ -124,7 +124,7 @@ class Engine:
         outs = []
         for i, q in enumerate(seqs):
             q.length += 1
-            outs.append(self._emit(q, sample(logits[i], q.params, q.generator)))
+            outs.append(self._emit(q, sample(logits[i], q.params, q.generator, len(q.generated))))
         return outs
 
     async def astep(self) -> list[StepOutput]:

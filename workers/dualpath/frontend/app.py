@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dualpath.config import ClusterConfig
 from dualpath.frontend.auth import ApiKeys, TokenBuckets, cache_salt
 from dualpath.frontend.backend import Backend, BackendError, Finished, Routed, Tokens, TurnRequest
-from dualpath.frontend.tokenizer import ByteTokenizer, StreamDecoder
+from dualpath.frontend.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -144,31 +145,106 @@ class AuthError(ApiError):
         return super().response({**self.headers, **(headers or {})})
 
 
+# Most stop strings and stop token ids in one request.
+MAX_STOPS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    """A last chunk with `choices: []` and the usage, before `[DONE]` (OpenAI's)."""
+    continuous_usage_stats: bool = False
+    """The usage so far on every chunk too (vLLM's)."""
+
+
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """What a request may carry. A field not listed is refused (400 naming it), never
+    ignored; a listed field the cluster does not serve is refused unless at its neutral value
+    (`NOT_SERVED`)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    # greedy unless asked (bit-exact answers); OpenAI's default would be 1
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off (vLLM's)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOPS)
     session_id: str | None = None
     user: str | None = None
-    n: int = Field(default=1, ge=1, le=1)
     # as vLLM's: partitions the caller's (its tenant's) cache further; never crosses tenants
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # not served: accepted only at their neutral value (NOT_SERVED)
+    n: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Req):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
 
 
 class ChatRequest(_Req):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+
+# Fields clients send that this cluster does not serve, with the values that ask for nothing.
+NOT_SERVED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+}
+
+
+def refuse_not_served(req: _Req) -> None:
+    for name, neutral in NOT_SERVED.items():
+        value = getattr(req, name, None)
+        if value is None or value in neutral:
+            continue
+        raise ApiError(
+            400,
+            f"{name}={json.dumps(value)} is not served by this cluster (one greedy or sampled "
+            f"choice, no log probabilities, no penalties); omit {name} or send "
+            f"{json.dumps(neutral[0])}",
+            param=name,
+            code="unsupported_parameter",
+        )
 
 
 def _session_key(sid: str | None, salt: bytes) -> str | None:
@@ -190,7 +266,7 @@ class Sessions:
         self._s: OrderedDict[str, _Session] = OrderedDict()
         self.capacity = capacity
 
-    def prompt_ids(self, sid: str | None, text: str, tok: ByteTokenizer) -> list[int]:
+    def prompt_ids(self, sid: str | None, text: str, tok: ByteTokenizer | HfTokenizer) -> list[int]:
         s = self._s.get(sid) if sid else None
         if s is not None and text.startswith(s.text):
             self._s.move_to_end(sid)  # type: ignore[arg-type]
@@ -263,13 +339,15 @@ def create_app(
         if api_keys is not None and auth.requests_per_second > 0
         else None
     )
-    tok = ByteTokenizer(spec.model.vocab_size)
+    tok = load_tokenizer(spec.model)
+    vocab_size = spec.model.vocab_size
     registry = registry or CollectorRegistry()
     metrics = _Metrics(registry)
     for collector in getattr(backend, "collectors", ()):  # the backend's own (retries, ...)
         registry.register(collector)
     sessions = Sessions()
     model_name = spec.model.name
+    started_at = int(time.time())
     buffer_tokens = spec.pool("decode").kv_buffer_bytes // spec.model.kv_bytes_per_token
     isolate = api_keys is not None and auth.isolate_tenants
 
@@ -366,9 +444,25 @@ def create_app(
         except ValidationError as err:
             e = err.errors()[0]
             param = ".".join(str(p) for p in e["loc"]) or None
+            if e["type"] == "extra_forbidden":
+                raise ApiError(
+                    400,
+                    f"{param}: unknown field; this server does not serve it, so it refuses "
+                    "it rather than ignore it (remove it; docs/frontend.md lists the fields)",
+                    param=param,
+                    code="unknown_parameter",
+                ) from None
             raise ApiError(
                 400, f"{param}: {e['msg']}", param=param, code="invalid_parameter"
             ) from None
+        refuse_not_served(req)
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(
+                400,
+                "stream_options: only allowed with stream: true",
+                param="stream_options",
+                code="invalid_parameter",
+            )
         if req.model != model_name:
             raise ApiError(
                 404,
@@ -387,22 +481,52 @@ def create_app(
             ids = sessions.prompt_ids(_session_key(sid, salt), text or "", tok)
         if not ids:
             raise ApiError(400, "prompt is empty", param="prompt", code="invalid_parameter")
-        if any(i < 0 or i >= tok.vocab_size for i in ids):
+        if any(i < 0 or i >= vocab_size for i in ids):
             raise ApiError(
                 400,
-                f"prompt token ids must be in [0, {tok.vocab_size})",
+                f"prompt token ids must be in [0, {vocab_size})",
                 param="prompt",
                 code="invalid_parameter",
             )
-        max_new = req.max_tokens or min(16, fe.max_new_tokens)
+        if (
+            req.max_tokens
+            and req.max_completion_tokens
+            and (req.max_tokens != req.max_completion_tokens)
+        ):
+            raise ApiError(
+                400,
+                f"max_tokens ({req.max_tokens}) and max_completion_tokens "
+                f"({req.max_completion_tokens}) disagree; send one of them",
+                param="max_completion_tokens",
+                code="invalid_parameter",
+            )
+        limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_new = req.max_completion_tokens or req.max_tokens or min(16, fe.max_new_tokens)
         if max_new > fe.max_new_tokens:
             raise ApiError(
                 400,
-                f"max_tokens {max_new} exceeds the limit {fe.max_new_tokens} "
+                f"{limit} {max_new} exceeds the limit {fe.max_new_tokens} "
                 "(spec.frontend.maxNewTokens)",
-                param="max_tokens",
+                param=limit,
                 code="invalid_parameter",
             )
+        if req.min_tokens > max_new:
+            raise ApiError(
+                400,
+                f"min_tokens ({req.min_tokens}) exceeds {limit} ({max_new})",
+                param="min_tokens",
+                code="invalid_parameter",
+            )
+        stop_ids = list(req.stop_token_ids or ())
+        if any(i < 0 or i >= vocab_size for i in stop_ids):
+            raise ApiError(
+                400,
+                f"stop_token_ids must be in [0, {vocab_size})",
+                param="stop_token_ids",
+                code="invalid_parameter",
+            )
+        if not req.ignore_eos:
+            stop_ids.append(tok.eos_id)
         if len(ids) + max_new > fe.max_context_tokens:
             raise ApiError(
                 400,
@@ -419,8 +543,22 @@ def create_app(
                 param="prompt",
                 code="context_length_exceeded",
             )
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        turn = TurnRequest(rid, sid or "", ids, max_new, req.temperature, (tok.eos_id,), salt)
+        rid = f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        temperature = req.temperature or 0.0
+        seed = req.seed if req.seed is not None else secrets.randbits(62) if temperature else 0
+        turn = TurnRequest(
+            rid,
+            sid or "",
+            ids,
+            max_new,
+            temperature,
+            tuple(dict.fromkeys(stop_ids)),
+            salt,
+            seed=seed,
+            top_p=req.top_p or 1.0,
+            top_k=max(0, req.top_k or 0),
+            min_tokens=req.min_tokens,
+        )
         return turn, sid or ""
 
     async def run_turn(
@@ -431,10 +569,11 @@ def create_app(
         on_text=None,
         on_start=None,
     ) -> dict[str, Any]:
-        """Drive a turn to the end; `on_text(str)` gets each text delta (streaming),
+        """Drive a turn to the end; `on_text(str, usage)` gets each text delta and the usage
+        so far (streaming),
         `on_start()` is called once the backend has started serving it (its first event)."""
         t0 = time.perf_counter()
-        dec = StreamDecoder(tok)
+        dec = tok.stream()
         out_ids: list[int] = []
         out_text = ""
         routed: Routed | None = None
@@ -462,11 +601,11 @@ def create_app(
                         delta = delta[: max(0, len(delta) - (len(out_text) - cut))]
                         out_text = out_text[:cut]
                         if on_text and delta:
-                            await on_text(delta)
+                            await on_text(delta, usage_of(turn, out_ids, routed))
                         finish = "stop"
                         break
                     if on_text and delta:
-                        await on_text(delta)
+                        await on_text(delta, usage_of(turn, out_ids, routed))
                 elif isinstance(ev, Finished):
                     finish = ev.reason
         finally:
@@ -475,7 +614,7 @@ def create_app(
         if tail and finish != "stop":
             out_text += tail
             if on_text:
-                await on_text(tail)
+                await on_text(tail, usage_of(turn, out_ids, routed))
         metrics.tokens.labels("prompt").inc(len(turn.prompt_ids))
         metrics.tokens.labels("generated").inc(len(out_ids))
         if routed:
@@ -488,12 +627,7 @@ def create_app(
         return {
             "text": out_text,
             "finish_reason": finish,
-            "usage": {
-                "prompt_tokens": len(turn.prompt_ids),
-                "completion_tokens": len(out_ids),
-                "total_tokens": len(turn.prompt_ids) + len(out_ids),
-                "cached_tokens": routed.hit_tokens if routed else 0,
-            },
+            "usage": usage_of(turn, out_ids, routed),
             "dualpath": {
                 "read_path": routed.read_path if routed else "none",
                 "prefill_node": routed.prefill_node if routed else "",
@@ -502,6 +636,14 @@ def create_app(
                 "session_id": sid,
                 "token_ids": out_ids,
             },
+        }
+
+    def usage_of(turn: TurnRequest, out_ids: list[int], routed: Routed | None) -> dict:
+        return {
+            "prompt_tokens": len(turn.prompt_ids),
+            "completion_tokens": len(out_ids),
+            "total_tokens": len(turn.prompt_ids) + len(out_ids),
+            "prompt_tokens_details": {"cached_tokens": routed.hit_tokens if routed else 0},
         }
 
     def count(endpoint: str, status: int, outcome: str) -> None:
@@ -514,29 +656,26 @@ def create_app(
             tenant = authorize(request)
             obj = await read_json(request)
             req = parse(ChatRequest if chat else CompletionRequest, obj)
-            if chat:
-                text: str | None = tok.chat([m.model_dump() for m in req.messages])
-                ids = None
-            elif isinstance(req.prompt, list):
-                text, ids = None, list(req.prompt)
-            else:
-                text, ids = req.prompt, None
+            text, ids = prompt_of(req)
             turn, sid = turn_for(req, text, ids, request, tenant)
-            stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            stops = stops_of(req)
             created = int(time.time())
             if req.stream:
-                return await start_stream(endpoint, turn, sid, text, stops, chat, created)
+                return await start_stream(
+                    endpoint, turn, sid, text, stops, chat, created, req.stream_options
+                )
             res = await run_turn(turn, sid, text, stops)
         except Exception as exc:  # noqa: BLE001 (every failure gets a status and is counted)
             err = error_of(exc)
             count(endpoint, err.status, err.code or "error")
             return err.response()
         count(endpoint, 200, res["finish_reason"])
-        choice: dict[str, Any] = {"index": 0, "finish_reason": res["finish_reason"]}
+        choice: dict[str, Any] = {"index": 0}
         if chat:
             choice["message"] = {"role": "assistant", "content": res["text"]}
         else:
             choice["text"] = res["text"]
+        choice.update(logprobs=None, finish_reason=res["finish_reason"])
         return JSONResponse(
             {
                 "id": turn.request_id,
@@ -546,8 +685,37 @@ def create_app(
                 "choices": [choice],
                 "usage": res["usage"],
                 "dualpath": res["dualpath"],
-            }
+            },
+            headers={"x-request-id": turn.request_id},
         )
+
+    def prompt_of(req: _Req) -> tuple[str | None, list[int] | None]:
+        """The prompt as text (to tokenize, remembered per session) or as token ids."""
+        if isinstance(req, ChatRequest):
+            return tok.chat([{"role": m.role, "content": m.text()} for m in req.messages]), None
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:  # a batch of prompts
+                raise ApiError(
+                    400,
+                    f"prompt: {len(prompt)} prompts in one request; this server serves one "
+                    "prompt per request (send them as separate requests)",
+                    param="prompt",
+                    code="unsupported_parameter",
+                )
+            prompt = prompt[0]
+        return (None, list(prompt)) if isinstance(prompt, list) else (prompt, None)
+
+    def stops_of(req: _Req) -> list[str]:
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ApiError(
+                400,
+                f"stop: at most {MAX_STOPS} non-empty strings",
+                param="stop",
+                code="invalid_parameter",
+            )
+        return stops
 
     async def start_stream(
         endpoint: str,
@@ -557,32 +725,40 @@ def create_app(
         stops: list[str],
         chat: bool,
         created: int,
+        options: StreamOptions | None,
     ) -> Response:
         """SSE: the status is sent only once the backend has started serving the turn, so a
         failure before that is a real 4xx/5xx (raised to `serve`); one after it is an SSE error
         event with no finish chunk and no `[DONE]`, never an empty success."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         started = asyncio.Event()
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, extra: dict | None = None) -> bytes:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            c: dict[str, Any] = {"index": 0}
             if chat:
                 c["delta"] = {"content": delta} if delta is not None else {}
             else:
                 c["text"] = delta or ""
+            c.update(logprobs=None, finish_reason=finish)
+            return event([c], extra)
+
+        def event(choices: list[dict], extra: dict | None = None) -> bytes:
             body = {
                 "id": turn.request_id,
                 "object": obj,
                 "created": created,
                 "model": model_name,
-                "choices": [c],
+                "choices": choices,
+                **({"usage": None} if include_usage else {}),
                 **(extra or {}),
             }
             return f"data: {json.dumps(body)}\n\n".encode()
 
-        async def on_text(delta: str) -> None:
-            await queue.put(chunk(delta, None))
+        async def on_text(delta: str, usage: dict) -> None:
+            await queue.put(chunk(delta, None, {"usage": usage} if continuous else None))
 
         async def drive() -> None:
             try:
@@ -602,8 +778,10 @@ def create_app(
                 return
             started.set()
             count(endpoint, 200, res["finish_reason"])
-            extra = {"usage": res["usage"], "dualpath": res["dualpath"]}
+            extra = {"dualpath": res["dualpath"], **({"usage": res["usage"]} if continuous else {})}
             await queue.put(chunk(None, res["finish_reason"], extra))
+            if include_usage:  # OpenAI's: a chunk of its own, after the finish reason
+                await queue.put(event([], {"usage": res["usage"]}))
             await queue.put(b"data: [DONE]\n\n")
             await queue.put(None)
 
@@ -622,10 +800,8 @@ def create_app(
         async def events() -> AsyncIterator[bytes]:
             try:
                 if chat:
-                    role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
-                    head = {"id": turn.request_id, "object": obj, "created": created}
-                    body = {**head, "model": model_name, "choices": [role]}
-                    yield f"data: {json.dumps(body)}\n\n".encode()
+                    role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+                    yield event([{**role, "logprobs": None, "finish_reason": None}])
                 while (item := await queue.get()) is not None:
                     yield item
             finally:
@@ -651,10 +827,8 @@ def create_app(
         except ApiError as err:
             metrics.requests.labels("models", str(err.status)).inc()
             return err.response()
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "owned_by": "dualpath"}],
-        }
+        model = {"id": model_name, "object": "model", "created": started_at, "owned_by": "dualpath"}
+        return {"object": "list", "data": [{**model, "max_model_len": fe.max_context_tokens}]}
 
     @app.get("/health")
     async def health() -> Response:

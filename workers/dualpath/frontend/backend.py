@@ -41,6 +41,10 @@ class TurnRequest:
     temperature: float = 0.0
     stop_ids: tuple[int, ...] = ()
     cache_salt: bytes = b""  # seeds the block-id chain (auth.cache_salt); b"": shared cache
+    seed: int = 0  # of the sampler when temperature > 0
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    min_tokens: int = 0  # no stop id ends the answer before this many tokens
 
 
 @dataclass(slots=True)
@@ -136,7 +140,7 @@ class FakeBackend:
             tok = greedy_next(self.model, ctx)
             ctx.append(tok)
             yield Tokens([tok])
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(ctx) - len(req.prompt_ids) >= req.min_tokens:
                 reason = "stop"
                 break
         self.stored.update(block_ids(ctx, self.model, salt=req.cache_salt))

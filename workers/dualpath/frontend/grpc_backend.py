@@ -217,6 +217,10 @@ class GrpcBackend:
                 stop_tokens=list(req.stop_ids),
                 temperature=req.temperature,
                 cache_salt=req.cache_salt,
+                seed=req.seed,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_tokens=req.min_tokens,
             ),
             timeout=self.timeout_s,
         )

@@ -293,10 +293,11 @@ async def replay(
                 "max_tokens": turn.gen_tokens,
                 "temperature": 0,
                 "stream": True,
+                "stream_options": {"include_usage": True},
                 "session_id": sid,
             }
             t0 = time.perf_counter()
-            ttft, final, err = None, None, ""
+            ttft, final, usage, err = None, None, None, ""
             try:
                 async with client.stream(
                     "POST", "/v1/completions", json=body, timeout=timeout_s
@@ -311,6 +312,9 @@ async def replay(
                             if "error" in ev:
                                 err = ev["error"]["message"]
                                 break
+                            if not ev["choices"]:  # the usage chunk, after the finish
+                                usage = ev["usage"]
+                                continue
                             if ttft is None:
                                 ttft = time.perf_counter() - t0
                             if ev["choices"][0].get("finish_reason"):
@@ -318,7 +322,7 @@ async def replay(
             except httpx.HTTPError as e:
                 err = f"{type(e).__name__}: {e}"
             lat = time.perf_counter() - t0
-            if final is None:
+            if final is None or usage is None:
                 results.append(
                     TurnResult(
                         tr.agent_id,
@@ -330,7 +334,7 @@ async def replay(
                         ttft or lat,
                         lat,
                         False,
-                        err or "no final chunk",
+                        err or "no final or usage chunk",
                         warmup=i < warmup_turns,
                     )
                 )
@@ -346,7 +350,7 @@ async def replay(
                     i,
                     len(history),
                     gen,
-                    final["usage"]["cached_tokens"],
+                    usage["prompt_tokens_details"]["cached_tokens"],
                     final["dualpath"]["read_path"],
                     ttft if ttft is not None else lat,
                     lat,

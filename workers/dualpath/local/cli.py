@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         print(
             f"READY up frontend={cluster.endpoints.frontend} "
-            f"scheduler={cluster.endpoints.scheduler}",
+            f"scheduler={cluster.endpoints.scheduler} tokenizer={cluster.tokenizer_dir}",
             flush=True,
         )
         while not stop.wait(0.2):

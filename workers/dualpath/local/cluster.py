@@ -29,6 +29,7 @@ from typing import IO
 import yaml
 
 from dualpath.config import ClusterConfig, from_resource
+from dualpath.frontend.tokenizer import save_hf_tokenizer
 from dualpath.grpc_auth import write_token_file
 from dualpath.local.supervisor import ProcSpec, Supervisor, free_port
 from dualpath.process import (
@@ -165,6 +166,8 @@ class LocalCluster:
         self.cfg_path.write_text(yaml.safe_dump(self.cfg.to_resource(), sort_keys=False))
         # a new token per start: a process of an earlier run cannot join this one
         self.token_file = write_token_file(self.run_dir / "token")
+        # what a client's `--tokenizer <dir>` loads (the checkpoint's own when it has one)
+        self.tokenizer_dir = save_hf_tokenizer(self.cfg.spec.model, self.run_dir / "tokenizer")
         self.specs, self.endpoints = process_specs(
             self.cfg_path, self.cfg, storage, log_level, self.token_file
         )
@@ -190,7 +193,11 @@ class LocalCluster:
         except BaseException:
             self.supervisor.stop()
             raise
-        log.info("local cluster up: OpenAI API at %s/v1", self.endpoints.frontend)
+        log.info(
+            "local cluster up: OpenAI API at %s/v1, tokenizer %s",
+            self.endpoints.frontend,
+            self.tokenizer_dir,
+        )
         return self
 
     def stop(self) -> None:

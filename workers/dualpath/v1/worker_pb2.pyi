@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_tokens", "hit_tokens", "max_new_tokens", "read_path", "prefill_node", "prefill_address", "stop_tokens", "temperature", "seed", "cache_salt")
+    __slots__ = ("request_id", "session_id", "prompt_tokens", "hit_tokens", "max_new_tokens", "read_path", "prefill_node", "prefill_address", "stop_tokens", "temperature", "seed", "cache_salt", "top_p", "top_k", "min_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,9 @@ class GenerateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +36,10 @@ class GenerateRequest(_message.Message):
     temperature: float
     seed: int
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    top_p: float
+    top_k: int
+    min_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "hit_tokens", "read_path", "prefill_seconds")

@@ -174,6 +174,9 @@ class DecodeRole:
             max_tokens=req.max_new_tokens,
             stop_tokens=tuple(req.stop_tokens),
             seed=req.seed,
+            top_p=req.top_p if 0 < req.top_p < 1 else 1.0,
+            top_k=max(0, req.top_k),
+            min_tokens=min(max(0, req.min_tokens), req.max_new_tokens),
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
