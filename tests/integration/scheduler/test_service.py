@@ -11,14 +11,14 @@ import pytest
 from dualpath import config
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
-from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.scheduler.policy import NodeLoad
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from schedtools import free_port, wait_nodes
 
 
 def load(pending=0):
-    return lambda: pb.NodeLoad(read_pending_bytes=pending, buffer_free_bytes=1 << 40)
+    return lambda: NodeLoad(read_pending_bytes=pending, buffer_free_bytes=1 << 40)
 
 
 def agents_for(address, prefill=2, decode=2):

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from dualpath.local.cluster import LocalCluster, with_overrides
     from dualpath.local.supervisor import StartError
 
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     if args.policy:
         cfg = with_overrides(cfg, **{"scheduler.policy": args.policy})
     cluster = LocalCluster(

@@ -11,6 +11,7 @@ from dualpath import config
 from dualpath.grpc_auth import ClusterToken, add_token_argument
 from dualpath.grpc_auth import load as load_token
 from dualpath.observability import ObservabilityServer, loop_liveness
+from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,13 @@ def build(
     token: ClusterToken | None = None,
 ):
     from dualpath.scheduler.policy import get_policy, thresholds_from_spec
+    from dualpath.scheduler.policy.types import DEFAULT_CNIC_BYTES_PER_S
     from dualpath.scheduler.service import SchedulerServer, SchedulerServicer
     from dualpath.scheduler.state import SchedulerState
 
     s = cfg.spec.scheduler
-    cnic = cfg.spec.network.cnic_gbps * 1e9 / 8 if cfg.spec.network.cnic_gbps else 25.0e9
+    gbps = cfg.spec.network.cnic_gbps
+    cnic = gbps_to_bytes_per_s(gbps) if gbps else DEFAULT_CNIC_BYTES_PER_S
     state = SchedulerState(
         get_policy(policy_name or s.policy.value),
         thresholds_from_spec(s),
@@ -49,7 +52,7 @@ def build(
 
 
 async def serve(args: argparse.Namespace) -> None:
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     port = args.port if args.port is not None else cfg.spec.scheduler.port
     server = build(cfg, args.policy, args.host, port, load_token(args.token_file, "scheduler"))
     obs = ObservabilityServer(
