@@ -73,3 +73,20 @@ def test_the_blocker_does_block():
     """The check above can fail: the store needs torch."""
     r = _import_blocking(["torch"], ["dualpath.kv.store"])
     assert r.returncode != 0 and "torch is blocked" in r.stderr
+
+
+def test_the_leaf_contract_names_every_other_top_level_module():
+    """ "Nothing imports local or sim" lists its sources: a new top-level module must join it
+    (only the CLI's entry points, `dualpath.cli` and `dualpath.demo`, may import them)."""
+    import pkgutil
+    import tomllib
+
+    import dualpath
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    leaf = next(c for c in contracts["contracts"] if c["name"].startswith("local cluster and"))
+    top = {f"dualpath.{m.name}" for m in pkgutil.iter_modules(dualpath.__path__)}
+    entry_points = {"dualpath.cli", "dualpath.demo"}
+    assert set(leaf["source_modules"]) - {"dualpath_operator"} == top - entry_points - set(
+        leaf["forbidden_modules"]
+    )

@@ -9,8 +9,7 @@ torch, so the scheduler and the simulator can price a prefill without the model'
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dualpath import lazy
 
 _EXPORTS = {
     "CacheFullError": "dualpath.engine.decode",
@@ -33,9 +32,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy.exports(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ without torch, so the frontend and the scheduler can hash block ids without the 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dualpath import lazy
 
 _EXPORTS = {
     "BlockFormatError": "dualpath.kv.format",
@@ -34,9 +33,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy.exports(__name__, _EXPORTS)
