@@ -143,17 +143,24 @@ async def test_kill_and_restart_under_load_loses_nothing():
                 failures.append(err.code())
             await asyncio.sleep(0.005)
 
+    async def until(done, what: str, timeout_s: float = 30.0) -> None:
+        # progress by count, not by a fixed sleep: a slow machine takes longer, not fails
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not done():
+            assert loop.time() < deadline, f"{what}: not within {timeout_s}s"
+            await asyncio.sleep(0.02)
+
     try:
         await wait_nodes(client, 4)
         task = asyncio.create_task(load_loop())
-        await asyncio.sleep(0.5)
+        await until(lambda: len(routed) >= 5, "routes before the kill")
         before = len(routed)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
-        await asyncio.sleep(0.3)
         proc = start_scheduler(port)  # a fresh scheduler with an empty view
         await wait_nodes(client, 4)  # rebuilt from re-registrations
-        await asyncio.sleep(0.5)
+        await until(lambda: len(routed) > before + 5, "routes after the restart")
         stop.set()
         await asyncio.wait_for(task, timeout=30)
         assert before > 0 and len(routed) > before + 5, (before, len(routed))
