@@ -17,18 +17,11 @@ from dualpath.transfer.link import (
     LinkClosed,
     measure_isolation,
 )
+from fake_clock import FakeClock
 
 MODEL, KV = 0, 1
 MiB = 1 << 20
 RATE = 1e9  # bytes per second (8 Gbps)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def drive(sched, streams, until_s, warmup_s=0.1):
