@@ -6,9 +6,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from dualpath import config
+from dualpath_operator.builders import render
+
+OWNER = {"name": "agents", "uid": "u"}
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "dualpath"
+EXAMPLE = ROOT / "examples" / "dualpathcluster.yaml"
 
 
 def helm(tools, *args):
@@ -104,3 +109,42 @@ def test_notes_give_a_crd_upgrade_that_works_after_helm_install():
     assert "<your-mirror>" not in notes and "https://" not in notes
     assert "kubectl apply --server-side --force-conflicts" in notes
     assert "dualpathpool/<name>-decode" in notes
+
+
+def _frontend_cluster() -> config.ClusterConfig:
+    base = config.load(EXAMPLE)
+    spec = base.to_resource()["spec"]
+    spec["frontend"] = {**spec.get("frontend", {}), "replicas": 1}
+    return config.ClusterConfig(name="agents", namespace="default", spec=config.parse_spec(spec))
+
+
+def _plural(kind: str) -> str:
+    low = kind.lower()
+    return low[:-1] + "ies" if low.endswith("y") else low + "s"
+
+
+def test_the_operators_rbac_covers_every_kind_it_renders(tools):
+    out = helm(tools, "template", "rel", str(CHART))
+    (role,) = [
+        d
+        for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-discovery")
+    ]
+    cfg = _frontend_cluster()
+    for obj in render(cfg, OWNER):
+        group = obj["apiVersion"].rpartition("/")[0]
+        plural = _plural(obj["kind"])
+        verbs = {
+            v
+            for r in role["rules"]
+            if group in r["apiGroups"] and plural in r["resources"]
+            for v in r["verbs"]
+        }
+        assert {"get", "create", "patch"} <= verbs, (group, plural, verbs)
+    netpol = {
+        v
+        for r in role["rules"]
+        if "networking.k8s.io" in r["apiGroups"] and "networkpolicies" in r["resources"]
+        for v in r["verbs"]
+    }
+    assert "delete" in netpol  # a switched-off policy is removed
