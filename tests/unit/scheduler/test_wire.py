@@ -128,3 +128,17 @@ def test_a_command_without_a_file_runs_the_embedded_default(tmp_path):
     assert config.load_or_default("") == config.local_default()
     with pytest.raises(config.ConfigError, match="no such file"):
         config.load_or_default(tmp_path / "missing.yaml")
+
+
+@given(
+    st.booleans(),
+    st.booleans(),
+    st.lists(st.tuples(st.sampled_from(["healthy", "draining", "held"]), st.booleans())),
+)
+def test_available_follows_every_assignment_of_its_three_flags(healthy, draining, changes):
+    n = NodeState("n", "decode", healthy=healthy, draining=draining)
+    assert n.available == (healthy and not draining)
+    for name, value in changes:
+        setattr(n, name, value)
+        assert getattr(n, name) is value
+        assert n.available == (n.healthy and not n.draining and not n.held)

@@ -26,6 +26,31 @@ class ReadPath(str, Enum):
     DECODE = "decode"  # path D: the decode node reads, then streams layer-wise to prefill
 
 
+def _tracks_availability(cls: type) -> type:
+    """`healthy`, `draining` and `held` become properties over their slots whose setters keep
+    `available` (a plain slot: the policies read it for every node of every decision, and a
+    computed property would cost them about 3x) equal to healthy and not draining and not held.
+    """
+    available = cls.__dict__["available"]
+    healthy, draining, held = (cls.__dict__[n] for n in ("healthy", "draining", "held"))
+
+    def flag(slot):  # noqa: ANN001, ANN202 (a slot's member descriptor)
+        def fset(self, value) -> None:  # noqa: ANN001
+            slot.__set__(self, value)
+            try:
+                ok = healthy.__get__(self) and not draining.__get__(self) and not held.__get__(self)
+            except AttributeError:
+                return  # __init__ has not set them all yet: the last one will
+            available.__set__(self, ok)
+
+        return property(slot.__get__, fset)
+
+    for name, slot in (("healthy", healthy), ("draining", draining), ("held", held)):
+        setattr(cls, name, flag(slot))
+    return cls
+
+
+@_tracks_availability
 @dataclass(slots=True)
 class NodeState:
     """What the scheduler knows of one worker node, refreshed by its heartbeats."""
@@ -48,6 +73,9 @@ class NodeState:
     # Hash of the node's rendered config: prefill and decode nodes pair only within one hash,
     # so a rollout never mixes versions (DESIGN section 9). "" (local runs) pairs with "".
     config_hash: str = ""
+    # The one filter before the policy: healthy, not draining, not held. Every policy choice
+    # skips a node for which it is False. Kept by the setters of the three flags below.
+    available: bool = field(default=True, init=False, compare=False)
     healthy: bool = True
     draining: bool = False
     # Kept out of routing by the scheduler's state: its circuit breaker is open (failed
@@ -57,12 +85,6 @@ class NodeState:
     @property
     def tokens(self) -> int:
         return self.tokens_queued + self.tokens_running
-
-    @property
-    def available(self) -> bool:
-        """The one filter before the policy: healthy, not draining, not held (breaker open or
-        excluded by a retry). Every policy choice skips a node for which this is False."""
-        return self.healthy and not self.draining and not self.held
 
     @property
     def load(self) -> NodeLoad:
