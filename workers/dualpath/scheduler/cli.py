@@ -11,6 +11,7 @@ from dualpath import config
 from dualpath.grpc_auth import ClusterToken, add_token_argument
 from dualpath.grpc_auth import load as load_token
 from dualpath.observability import ObservabilityServer, loop_liveness
+from dualpath.scheduler.policy import POLICY_NAMES
 from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, help="gRPC port (default: spec.scheduler.port)")
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
-    parser.add_argument("--policy", help="override spec.scheduler.policy")
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="override spec.scheduler.policy")
     add_token_argument(parser)
 
 
