@@ -29,9 +29,10 @@ demo: $(STAMP) ## run the main job on the embedded local default
 test: $(STAMP) ## run the test suite
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: $(STAMP) ## ruff lint + format check
+lint: $(STAMP) ## ruff lint + format check + import-linter layer contracts (pyproject.toml)
 	$(BIN)/ruff check workers operator tests bench
 	$(BIN)/ruff format --check workers operator tests bench
+	PYTHONPATH=workers:operator $(BIN)/lint-imports --no-cache
 
 fmt: $(STAMP) ## ruff format
 	$(BIN)/ruff format workers operator tests bench

@@ -33,6 +33,8 @@ from pydantic import BaseModel
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import GenerateJsonSchema
 
+from .status import ClusterStatus, PoolObjectStatus
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
 CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
@@ -206,54 +208,24 @@ def _str(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
 
 
-def _conditions_schema() -> dict[str, Any]:
-    return {
-        "type": "array",
-        "description": "Ready, Progressing and Degraded, as Kubernetes conditions.",
-        "x-kubernetes-list-type": "map",
-        "x-kubernetes-list-map-keys": ["type"],
-        "items": {
-            "type": "object",
-            "required": ["type", "status"],
-            "properties": {
-                "type": _str("Ready, Progressing or Degraded."),
-                "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-                "reason": _str("Why, in one CamelCase word."),
-                "message": _str("Why, for a person."),
-                "lastTransitionTime": _str("When status last changed.", format="date-time"),
-                "observedGeneration": _int("The metadata.generation this condition is about."),
-            },
-        },
-    }
+def _no_defaults(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_no_defaults(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _no_defaults(v) for k, v in node.items() if k != "default"}
 
 
-def _pool_status(role: str) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": f"The {role} StatefulSet's pods.",
-        "properties": {
-            "replicas": _int("Pods that exist."),
-            "readyReplicas": _int("Pods that are ready."),
-            "updatedReplicas": _int("Pods running the current template."),
-        },
-    }
+def status_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A status subresource's schema from its typed model (`status.py`). No defaults: the
+    operator writes every field it means, the API server fills none in."""
+    raw = model.model_json_schema(by_alias=True)
+    defs = raw.pop("$defs", {})
+    return _no_defaults(_structural(raw, defs))
 
 
 def cluster_crd() -> dict[str, Any]:
-    status = {
-        "type": "object",
-        "description": "What the operator last observed; written by the operator only.",
-        "properties": {
-            "observedGeneration": _int("The metadata.generation last reconciled."),
-            "phase": _str("Ready, Progressing or Degraded (the conditions are authoritative)."),
-            "configHash": _str("Hash of the rendered config the pods run."),
-            "schedulerEndpoint": _str("host:port of the scheduler's gRPC Service."),
-            "frontendEndpoint": _str("host:port of the frontend's HTTP Service."),
-            "prefill": _pool_status("prefill"),
-            "decode": _pool_status("decode"),
-            "conditions": _conditions_schema(),
-        },
-    }
+    status = status_schema(ClusterStatus)
     cols = [
         ("Prefill", ".status.prefill.readyReplicas", "integer", "ready prefill workers"),
         ("Decode", ".status.decode.readyReplicas", "integer", "ready decode workers"),
@@ -297,15 +269,7 @@ def pool_crd() -> dict[str, Any]:
                     }
                 ],
             },
-            "status": {
-                "type": "object",
-                "description": "The workers' StatefulSet as last observed.",
-                "properties": {
-                    "replicas": _int("Workers that exist."),
-                    "readyReplicas": _int("Workers that are ready."),
-                    "selector": _str("Label selector of the workers (for the scale subresource)."),
-                },
-            },
+            "status": status_schema(PoolObjectStatus),
         },
     }
     cols = [

@@ -7,6 +7,10 @@ garbage collection through owner references deletes the children. The periodic r
 repair, status refresh) is an operator-owned task started on startup and stopped on cleanup,
 not a per-object kopf timer, for exactly that reason. kopf removes the finalizer an older
 version left on objects, because the name below still tells it which one is ours.
+
+The one `Reconciler` of the process (its per-object locks only work if it is one) and the
+resync task live in kopf's operator-level `memo`, set on startup and handed to every handler:
+no module globals, and a test passes its own `kopf.Memo(reconciler=...)`.
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from collections.abc import Callable
 
 import kopf
 from dualpath.config import API_GROUP, API_VERSION
@@ -26,25 +28,13 @@ log = logging.getLogger(__name__)
 RESYNC_INTERVAL_S = 15.0
 LEGACY_FINALIZER = "dualpath.io/operator"  # added by versions that had a per-object timer
 
-_reconciler: Reconciler | None = None
-_reconciler_lock = threading.Lock()
-_resync_task: asyncio.Task | None = None
-
-
-def reconciler() -> Reconciler:
-    """The one Reconciler of this process (its per-object locks only work if it is one)."""
-    global _reconciler
-    with _reconciler_lock:
-        if _reconciler is None:
-            from .kube_api import KubeApi
-
-            _reconciler = Reconciler(KubeApi())
-        return _reconciler
-
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_):
-    global _resync_task
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
+    if "reconciler" not in memo:  # a test may bring its own (against an in-memory API)
+        from .kube_api import KubeApi
+
+        memo.reconciler = Reconciler(KubeApi())
     settings.persistence.finalizer = LEGACY_FINALIZER  # never added now; only removed
     # Our own events (Scaled, ApplyFailed, UnsafeScale, Ready) are posted by the reconcile;
     # kopf posts only its warnings (a handler that failed).
@@ -58,25 +48,24 @@ async def configure(settings: kopf.OperatorSettings, **_):
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="dualpath.io", key="last-handled-configuration"
     )
-    _resync_task = asyncio.create_task(resync_forever(reconciler), name="dualpath-resync")
+    memo.resync = asyncio.create_task(resync_forever(memo.reconciler), name="dualpath-resync")
 
 
 @kopf.on.cleanup()
-async def stop_resync(**_):
-    if _resync_task is not None:
-        _resync_task.cancel()
+async def stop_resync(memo: kopf.Memo, **_):
+    task = memo.get("resync")
+    if task is not None:
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await _resync_task
+            await task
 
 
-async def resync_forever(
-    get_reconciler: Callable[[], Reconciler], interval_s: float = RESYNC_INTERVAL_S
-) -> None:
+async def resync_forever(rec: Reconciler, interval_s: float = RESYNC_INTERVAL_S) -> None:
     """Level trigger: every known cluster is reconciled each interval (drift repaired, status
     refreshed from the children), except those still inside their failure backoff."""
     while True:
         await asyncio.sleep(interval_s)
-        await resync_once(get_reconciler())
+        await resync_once(rec)
 
 
 async def resync_once(rec: Reconciler) -> None:
@@ -87,8 +76,8 @@ async def resync_once(rec: Reconciler) -> None:
             log.exception("[%s/%s] resync failed", namespace, name)
 
 
-def _run(namespace: str, name: str) -> None:
-    outcome = reconciler().run(namespace, name)
+def _run(rec: Reconciler, namespace: str, name: str) -> None:
+    outcome = rec.run(namespace, name)
     if outcome.retry_after_s is not None:
         raise kopf.TemporaryError(outcome.message, delay=outcome.retry_after_s)
 
@@ -96,12 +85,12 @@ def _run(namespace: str, name: str) -> None:
 @kopf.on.resume(API_GROUP, API_VERSION, "dualpathclusters")
 @kopf.on.create(API_GROUP, API_VERSION, "dualpathclusters")
 @kopf.on.update(API_GROUP, API_VERSION, "dualpathclusters", field="spec")
-def cluster_changed(namespace, name, **_):
-    _run(namespace, name)
+def cluster_changed(namespace, name, memo, **_):
+    _run(memo.reconciler, namespace, name)
 
 
 @kopf.on.field(API_GROUP, API_VERSION, "dualpathpools", field="spec.replicas")
-def pool_scaled(namespace, spec, **_):
+def pool_scaled(namespace, spec, memo, **_):
     """`kubectl scale dpp/...` or an HPA: the owning cluster's reconcile merges the count."""
     if spec.get("cluster"):
-        _run(namespace, spec["cluster"])
+        _run(memo.reconciler, namespace, spec["cluster"])

@@ -24,7 +24,7 @@ from .builders.checks import spec_warnings
 from .builders.common import selector_labels
 from .builders.pods import scheduler_address
 from .k8s_errors import ApiFailure, describe, is_not_found
-from .status import Problem, WorkloadObservation, compute_status, condition
+from .status import PoolObjectStatus, Problem, WorkloadObservation, compute_status, condition
 
 _log = logging.getLogger(__name__)
 FIELD_MANAGER = "dualpath-operator"
@@ -232,7 +232,9 @@ def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResul
                 POOL_KIND,
                 ns,
                 child_name(cfg, role.value),
-                {"replicas": w.replicas, "readyReplicas": w.ready, "selector": selector},
+                PoolObjectStatus(
+                    replicas=w.replicas, ready_replicas=w.ready, selector=selector
+                ).model_dump(by_alias=True),
             )
         except Exception as err:
             if not is_not_found(err):  # a pool whose apply failed above: already reported

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from .crd import cluster_crd, pool_crd
 
     try:
-        cfg = config.load(args.file) if args.file else config.local_default()
+        cfg = config.load_or_default(args.file)
     except config.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

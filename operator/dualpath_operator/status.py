@@ -2,13 +2,78 @@
 
 Kubernetes API conventions: a top-level `Ready` condition `kubectl wait` can read, plus
 `Progressing` and `Degraded`, each with a CamelCase reason and a sentence for people.
+
+The status is a typed model (`ClusterStatus`, `PoolStatus`, `Condition`, and `DualPathPool`'s
+`PoolObjectStatus`); `crd.py` generates the CRDs' status schemas from these models, as it does
+the spec's from the config model, so what the operator writes and what the API server accepts
+are one definition.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+class Condition(_Status):
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field("", description="Why, in one CamelCase word.")
+    message: str = Field("", description="Why, for a person.")
+    last_transition_time: str = Field(
+        "", description="When status last changed.", json_schema_extra={"format": "date-time"}
+    )
+    observed_generation: int = Field(
+        0, description="The metadata.generation this condition is about."
+    )
+
+
+class PoolStatus(_Status):
+    replicas: int = Field(0, description="Pods that exist.")
+    ready_replicas: int = Field(0, description="Pods that are ready.")
+    updated_replicas: int = Field(0, description="Pods running the current template.")
+
+
+class ClusterStatus(_Status):
+    """What the operator last observed; written by the operator only."""
+
+    observed_generation: int = Field(0, description="The metadata.generation last reconciled.")
+    phase: str = Field(
+        "", description="Ready, Progressing or Degraded (the conditions are authoritative)."
+    )
+    # None: the key is dropped by the merge patch (e.g. frontendEndpoint after replicas: 0)
+    config_hash: str | None = Field(None, description="Hash of the rendered config the pods run.")
+    scheduler_endpoint: str | None = Field(
+        None, description="host:port of the scheduler's gRPC Service."
+    )
+    frontend_endpoint: str | None = Field(
+        None, description="host:port of the frontend's HTTP Service."
+    )
+    prefill: PoolStatus = Field(PoolStatus(), description="The prefill StatefulSet's pods.")
+    decode: PoolStatus = Field(PoolStatus(), description="The decode StatefulSet's pods.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing and Degraded, as Kubernetes conditions.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class PoolObjectStatus(_Status):
+    """The workers' StatefulSet as last observed."""
+
+    replicas: int = Field(0, description="Workers that exist.")
+    ready_replicas: int = Field(0, description="Workers that are ready.")
+    selector: str = Field(
+        "", description="Label selector of the workers (for the scale subresource)."
+    )
 
 
 @dataclass(frozen=True)
@@ -54,18 +119,18 @@ def _condition(
     generation: int,
     previous: dict[str, dict],
     now: str,
-) -> dict[str, Any]:
+) -> Condition:
     status = "True" if ok else "False"
     prev = previous.get(ctype)
     since = prev["lastTransitionTime"] if prev and prev.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
-        "observedGeneration": generation,
-    }
+    return Condition(
+        type=ctype,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
 
 
 @dataclass(frozen=True)
@@ -126,24 +191,22 @@ def compute_status(
         _condition("Degraded", bool(problems), d_reason, d_msg, generation, previous, stamp),
     ]
 
-    def pool(key: str) -> dict[str, int]:
+    def pool(key: str) -> PoolStatus:
         w = workloads.get(key)
-        return (
-            {"replicas": w.replicas, "readyReplicas": w.ready, "updatedReplicas": w.updated}
-            if w
-            else {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
-        )
+        if w is None:
+            return PoolStatus()
+        return PoolStatus(replicas=w.replicas, ready_replicas=w.ready, updated_replicas=w.updated)
 
-    return {
-        "observedGeneration": generation,
-        "phase": "Ready" if ready else ("Failed" if failed else "Progressing"),
-        "configHash": config_hash or None,
-        "schedulerEndpoint": scheduler_endpoint or None,
-        "frontendEndpoint": frontend_endpoint,
-        "prefill": pool("prefill"),
-        "decode": pool("decode"),
-        "conditions": conditions,
-    }
+    return ClusterStatus(
+        observed_generation=generation,
+        phase="Ready" if ready else ("Failed" if failed else "Progressing"),
+        config_hash=config_hash or None,
+        scheduler_endpoint=scheduler_endpoint or None,
+        frontend_endpoint=frontend_endpoint,
+        prefill=pool("prefill"),
+        decode=pool("decode"),
+        conditions=conditions,
+    ).model_dump(by_alias=True)
 
 
 def condition(status: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:

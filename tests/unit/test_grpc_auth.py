@@ -6,14 +6,6 @@ import pytest
 from dualpath.grpc_auth import OPEN_SERVICES, ClusterToken, TokenError, load, write_token_file
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_only_the_bearer_token_is_accepted(tmp_path):
     path = write_token_file(tmp_path / "token", "s3cret-token")
     token = ClusterToken(path)
@@ -33,8 +25,8 @@ def test_only_the_bearer_token_is_accepted(tmp_path):
         assert not token.accepts(metadata), metadata
 
 
-def test_a_rotation_is_read_without_a_restart(tmp_path):
-    clock = Clock()
+def test_a_rotation_is_read_without_a_restart(tmp_path, fake_clock):
+    clock = fake_clock
     path = write_token_file(tmp_path / "token", "old")
     token = ClusterToken(path, clock=clock)
     path.write_text("new-one\nold\n")

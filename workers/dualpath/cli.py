@@ -2,77 +2,182 @@
 
 Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 the module is imported only when its command runs, so `dualpath worker` never imports kopf
-and `dualpath operator` never imports torch.
+and `dualpath operator` never imports torch. The loaders below are plain import statements,
+so the import-linter contracts in pyproject.toml see every edge this composition root adds
+(the two into `dualpath_operator` are the declared exceptions to "the runtime does not import
+the operator").
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
 
 from dualpath import __version__
 from dualpath.log import setup_logging
 
-# command -> (module, one-line help). "bench X" commands are nested under `bench`.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("dualpath.demo", "run the main job on the embedded local default"),
-    "up": (
-        "dualpath.local.cli",
-        "start a local cluster (scheduler, workers, frontend) as processes",
-    ),
-    "sim": ("dualpath.sim.cli", "cluster-scale discrete-event simulation of the policies"),
-    "render": ("dualpath_operator.render_cli", "print the manifests a DualPathCluster turns into"),
-    "operator": ("dualpath_operator.main", "run the kopf operator"),
-    "scheduler": ("dualpath.scheduler.cli", "run the gRPC scheduler service"),
-    "worker": ("dualpath.worker.cli", "run a prefill or decode worker"),
-    "frontend": ("dualpath.frontend.cli", "run the OpenAI-style HTTP frontend"),
+
+@dataclass(frozen=True)
+class Command:
+    """One `dualpath` command: a one-line help and the loader of its module."""
+
+    help: str
+    load: Callable[[], ModuleType]
+
+
+def _demo() -> ModuleType:
+    from dualpath import demo
+
+    return demo
+
+
+def _up() -> ModuleType:
+    from dualpath.local import cli
+
+    return cli
+
+
+def _sim() -> ModuleType:
+    from dualpath.sim import cli
+
+    return cli
+
+
+def _render() -> ModuleType:
+    from dualpath_operator import render_cli
+
+    return render_cli
+
+
+def _operator() -> ModuleType:
+    from dualpath_operator import main
+
+    return main
+
+
+def _scheduler() -> ModuleType:
+    from dualpath.scheduler import cli
+
+    return cli
+
+
+def _worker() -> ModuleType:
+    from dualpath.worker import cli
+
+    return cli
+
+
+def _frontend() -> ModuleType:
+    from dualpath.frontend import cli
+
+    return cli
+
+
+def _bench_store() -> ModuleType:
+    from dualpath.kv import bench
+
+    return bench
+
+
+def _bench_engine() -> ModuleType:
+    from dualpath.engine import bench
+
+    return bench
+
+
+def _bench_transfer() -> ModuleType:
+    from dualpath.transfer import bench
+
+    return bench
+
+
+def _bench_scheduler() -> ModuleType:
+    from dualpath.scheduler import bench
+
+    return bench
+
+
+def _bench_guidellm() -> ModuleType:
+    from dualpath.local import guidellm_bench
+
+    return guidellm_bench
+
+
+def _bench_local() -> ModuleType:
+    from dualpath.local import bench
+
+    return bench
+
+
+# "bench X" commands are nested under `bench`.
+COMMANDS: dict[str, Command] = {
+    "demo": Command("run the main job on the embedded local default", _demo),
+    "up": Command("start a local cluster (scheduler, workers, frontend) as processes", _up),
+    "sim": Command("cluster-scale discrete-event simulation of the policies", _sim),
+    "render": Command("print the manifests a DualPathCluster turns into", _render),
+    "operator": Command("run the kopf operator", _operator),
+    "scheduler": Command("run the gRPC scheduler service", _scheduler),
+    "worker": Command("run a prefill or decode worker", _worker),
+    "frontend": Command("run the OpenAI-style HTTP frontend", _frontend),
 }
-BENCHES: dict[str, tuple[str, str]] = {
-    "store": ("dualpath.kv.bench", "KV block store read throughput vs raw reads, SNIC cap"),
-    "engine": ("dualpath.engine.bench", "prefill/decode tokens/s and layer-wise load overlap"),
-    "transfer": ("dualpath.transfer.bench", "D->P layer stream vs raw NIXL WRITE throughput"),
-    "scheduler": ("dualpath.scheduler.bench", "policy decision latency in process and over gRPC"),
-    "local": ("dualpath.local.bench", "replay an agentic trace on a local cluster per policy"),
-    "guidellm": ("dualpath.local.guidellm_bench", "guidellm's multi-turn load per policy"),
+BENCHES: dict[str, Command] = {
+    "store": Command("KV block store read throughput vs raw reads, SNIC cap", _bench_store),
+    "engine": Command("prefill/decode tokens/s and layer-wise load overlap", _bench_engine),
+    "transfer": Command("D->P layer stream vs raw NIXL WRITE throughput", _bench_transfer),
+    "scheduler": Command("policy decision latency in process and over gRPC", _bench_scheduler),
+    "local": Command("replay an agentic trace on a local cluster per policy", _bench_local),
+    "guidellm": Command("guidellm's multi-turn load per policy", _bench_guidellm),
 }
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, load: bool) -> None:
-    parser = sub.add_parser(name, help=help_, description=help_)
-    parser.set_defaults(_module=module)
-    if load:
-        importlib.import_module(module).add_arguments(parser)
-
-
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dualpath", description=__doc__.splitlines()[0])
+def _parser(command: str | None, bench: str | None, add_help: bool) -> argparse.ArgumentParser:
+    """The full parser, with the arguments of `command` (and `bench`) loaded only."""
+    parser = argparse.ArgumentParser(
+        prog="dualpath", description=__doc__.splitlines()[0], add_help=add_help
+    )
     parser.add_argument("--version", action="version", version=f"dualpath {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    positionals = [a for a in argv if not a.startswith("-")]
-    chosen = positionals[0] if positionals else None
-    for name, (module, help_) in COMMANDS.items():
-        _add(sub, name, module, help_, load=(name == chosen))
-    bench = sub.add_parser("bench", help="benchmarks printing JSON ratios measured in one run")
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    which = positionals[1] if chosen == "bench" and len(positionals) > 1 else None
-    for name, (module, help_) in BENCHES.items():
-        _add(bench_sub, name, module, help_, load=(name == which))
+
+    def add(subs: argparse._SubParsersAction, name: str, cmd: Command, load: bool) -> None:
+        p = subs.add_parser(name, help=cmd.help, description=cmd.help, add_help=add_help)
+        p.set_defaults(_command=cmd)
+        if load:
+            cmd.load().add_arguments(p)
+
+    for name, cmd in COMMANDS.items():
+        add(sub, name, cmd, load=name == command)
+    bench_parser = sub.add_parser(
+        "bench", help="benchmarks printing JSON ratios measured in one run", add_help=add_help
+    )
+    bench_sub = bench_parser.add_subparsers(dest="bench", metavar="BENCH")
+    for name, cmd in BENCHES.items():
+        add(bench_sub, name, cmd, load=command == "bench" and name == bench)
     return parser
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser for `argv`: argparse itself finds the command (a first pass that loads no
+    command's arguments and ignores what it does not know), then only that command's module
+    adds its arguments. So `--log-level DEBUG sim` reads DEBUG as the level, not a command."""
+    first, _ = _parser(None, None, add_help=False).parse_known_args(list(argv))
+    return _parser(first.command, getattr(first, "bench", None), add_help=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if not getattr(args, "_module", None):
+    command: Command | None = getattr(args, "_command", None)
+    if command is None:
         parser.print_help()
         return 2
     setup_logging(args.log_level)
-    module = importlib.import_module(args._module)
     try:
-        return int(module.run(args) or 0)
+        return int(command.load().run(args) or 0)
     except KeyboardInterrupt:
         return 130
 

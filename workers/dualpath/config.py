@@ -31,6 +31,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from dualpath.scheduler.policy import POLICY_NAMES
+
 API_GROUP = "dualpath.io"
 API_VERSION = "v1alpha1"
 KIND = "DualPathCluster"
@@ -620,11 +622,14 @@ class NetworkSpec(_Model):
     """NetworkPolicies: who may reach the scheduler, the workers, the frontend and metrics."""
 
 
-class PolicyName(str, Enum):
-    DUALPATH = "dualpath"
-    PREFILL_READ = "prefill-read"
-    DECODE_READ = "decode-read"
-    ROUND_ROBIN = "round-robin"
+# The scheduler's policy registry is the one list of names; the enum (and so the CRD's) is
+# built from it: DUALPATH, PREFILL_READ, DECODE_READ, ROUND_ROBIN.
+PolicyName = Enum(
+    "PolicyName",
+    {name.upper().replace("-", "_"): name for name in POLICY_NAMES},
+    type=str,
+    module=__name__,
+)
 
 
 class SchedulerSpec(_Model):
@@ -885,3 +890,9 @@ def load(path: str | Path) -> ClusterConfig:
 def local_default() -> ClusterConfig:
     """The embedded local default: what `dualpath up` runs with no file."""
     return load(Path(__file__).parent / "data" / "local.yaml")
+
+
+def load_or_default(path: str | Path | None) -> ClusterConfig:
+    """The cluster file at `path`, or the embedded local default when no file is given (every
+    command's `-f/--file`)."""
+    return load(path) if path else local_default()

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 from dualpath.kv import KVLoadError, KVStore, ReadQueue
-from dualpath.kv import metrics as m
 from dualpath.kv import store as store_mod
 from dualpath.kv.backend import PreadvBackend
 from dualpath.kv.errors import ShortReadError
 from dualpath.kv.format import BlockLayout
+from prometheus_client import REGISTRY
 
 # a hang must fail the test, not the suite
 BOUND_S = 0.3
@@ -23,11 +23,16 @@ HANG_S = 20
 
 
 def misses(reason):
-    return m.MISSES.labels(reason=reason)._value.get()
+    return REGISTRY.get_sample_value("dualpath_kv_misses_total", {"reason": reason}) or 0.0
 
 
 def write_failures(op, reason):
-    return m.WRITE_FAILURES.labels(op=op, reason=reason)._value.get()
+    labels = {"op": op, "reason": reason}
+    return REGISTRY.get_sample_value("dualpath_kv_write_failures_total", labels) or 0.0
+
+
+def evictions():
+    return REGISTRY.get_sample_value("dualpath_kv_evictions_total") or 0.0
 
 
 class FailingBackend(PreadvBackend):
@@ -331,13 +336,13 @@ def test_full_disk_evicts_lru_blocks_and_retries_once(tmp_path, tiny, kvh, monke
         real(fd, view)
 
     monkeypatch.setattr(store_mod, "_write_all", enospc_once)
-    evictions = m.EVICTIONS._value.get()
+    evicted = evictions()
     failures = write_failures("block", "no_space")
     new_ids, _ = kvh.fill(store, 1, seed=9)
     assert new_ids[0] in store
     assert store.lru_order() == [ids[2], ids[3], ids[0], new_ids[0]]  # one block's room
     assert not store.path_of(ids[1]).exists()
-    assert m.EVICTIONS._value.get() == evictions + 1
+    assert evictions() == evicted + 1
     assert write_failures("block", "no_space") == failures  # the retry wrote it
     assert not list((tmp_path / "kv" / "tmp").iterdir())  # the failed attempt left nothing
 
@@ -361,11 +366,11 @@ def test_a_read_only_store_refuses_writes_without_evicting(tmp_path, tiny, kvh, 
 
     monkeypatch.setattr(os, "open", erofs)
     before = write_failures("block", "read_only")
-    evictions = m.EVICTIONS._value.get()
+    evicted = evictions()
     with pytest.raises(OSError):
         kvh.fill(store, 2, seed=11)
     assert write_failures("block", "read_only") == before + 1
-    assert m.EVICTIONS._value.get() == evictions and len(store) == 4
+    assert evictions() == evicted and len(store) == 4
     store.close()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from dualpath.kv import KVLoadError, ReadQueue, request_buffer_bytes
 from dualpath.kv.backend import PreadvBackend
+from fake_clock import FakeClock
 
 
 class GatedBackend(PreadvBackend):
@@ -40,19 +41,6 @@ def corrupt_layer(store, block_id, layer):
     with open(store.path_of(block_id), "r+b") as f:
         f.seek(store.layout.layer_offset(layer) + 7)
         f.write(b"\xff\xfe")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-        self.lock = threading.Lock()
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        with self.lock:
-            self.t += s
 
 
 async def test_layer_source_contract_round_trips(make_store, kvh):

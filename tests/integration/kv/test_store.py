@@ -11,12 +11,12 @@ import pytest
 import torch
 from dualpath.config import ModelSpec
 from dualpath.kv import block_ids, split_blocks
-from dualpath.kv import metrics as m
 from dualpath.kv.store import random_layers
+from prometheus_client import REGISTRY
 
 
 def misses(reason):
-    return m.MISSES.labels(reason=reason)._value.get()
+    return REGISTRY.get_sample_value("dualpath_kv_misses_total", {"reason": reason}) or 0.0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8"])

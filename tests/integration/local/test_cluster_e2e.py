@@ -1,7 +1,4 @@
-"""End to end over HTTP on a real local cluster (scheduler, workers, frontend processes).
-
-Skipped until the worker processes (`dualpath.worker`) exist.
-"""
+"""End to end over HTTP on a real local cluster (scheduler, workers, frontend processes)."""
 
 from __future__ import annotations
 
@@ -19,8 +16,6 @@ import pytest
 import yaml
 from dualpath.config import local_default
 from dualpath.local.cluster import LocalCluster, with_overrides
-
-pytest.importorskip("dualpath.worker.cli", reason="worker processes not built yet")
 
 pytestmark = pytest.mark.slow
 

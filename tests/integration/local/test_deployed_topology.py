@@ -18,8 +18,6 @@ from dualpath.config import local_default
 from dualpath.local.cluster import LocalCluster, with_overrides
 from dualpath.process import uses_storage
 
-pytest.importorskip("dualpath.worker.cli", reason="worker processes not built yet")
-
 pytestmark = pytest.mark.slow
 
 BT = 16

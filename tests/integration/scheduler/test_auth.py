@@ -14,6 +14,8 @@ import grpc
 import pytest
 from dualpath.grpc_auth import ClusterToken, write_token_file
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
+from dualpath.scheduler.policy import NodeLoad
+from dualpath.scheduler.wire import load_to_pb
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,7 +27,7 @@ ROGUE_DECODE = "127.0.0.1:6666"
 
 
 def load():
-    return lambda: pb.NodeLoad(buffer_free_bytes=1 << 40)
+    return lambda: NodeLoad(buffer_free_bytes=1 << 40)
 
 
 def _rotate(path: Path, *tokens: str) -> None:
@@ -62,7 +64,11 @@ def scheduler(token_file):
 
 def _register(node_id: str, address: str) -> pb.RegisterRequest:
     return pb.RegisterRequest(
-        node_id=node_id, role=pb.ROLE_DECODE, address=address, snic_bytes_per_s=1e9, load=load()()
+        node_id=node_id,
+        role=pb.ROLE_DECODE,
+        address=address,
+        snic_bytes_per_s=1e9,
+        load=load_to_pb(load()()),
     )
 
 

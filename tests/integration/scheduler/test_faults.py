@@ -12,6 +12,7 @@ from dualpath.frontend.backend import BackendError, Finished, Routed, Tokens, Tu
 from dualpath.frontend.grpc_backend import GrpcBackend
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
+from dualpath.scheduler.policy import NodeLoad
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
@@ -64,15 +65,13 @@ async def cluster():
         agent = NodeAgent(
             addr,
             Registration(node_id, "decode", waddr),
-            lambda: pb.NodeLoad(buffer_free_bytes=1 << 40),
+            lambda: NodeLoad(buffer_free_bytes=1 << 40),
         ).start()
         made["agents"].append(agent)
         return servicer
 
     made["add_decode"] = add_decode
-    p0 = NodeAgent(
-        addr, Registration("p0", "prefill", "127.0.0.1:1"), lambda: pb.NodeLoad()
-    ).start()
+    p0 = NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:1"), lambda: NodeLoad()).start()
     made["agents"].append(p0)
     yield made
     for a in made["agents"]:
@@ -223,11 +222,11 @@ async def test_with_no_other_pair_the_turn_fails_at_once_with_its_own_error(clus
 
 async def test_a_duplicate_agent_waits_refused_then_replaces_the_stopped_one(cluster):
     first = NodeAgent(
-        cluster["addr"], Registration("d9", "decode", "127.0.0.1:2"), lambda: pb.NodeLoad()
+        cluster["addr"], Registration("d9", "decode", "127.0.0.1:2"), lambda: NodeLoad()
     ).start()
     await _ready(cluster["addr"], 2)
     second = NodeAgent(
-        cluster["addr"], Registration("d9", "decode", "127.0.0.1:3"), lambda: pb.NodeLoad()
+        cluster["addr"], Registration("d9", "decode", "127.0.0.1:3"), lambda: NodeLoad()
     ).start()
     state = cluster["sched"].servicer.state
     try:

@@ -15,7 +15,7 @@ from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.scheduler.index import pack_keys
 from dualpath.scheduler.kv_events import KvEventPublisher
-from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.scheduler.policy import NodeLoad
 from prometheus_client import REGISTRY
 from schedtools import free_port
 
@@ -55,7 +55,7 @@ class Worker:
         self.events = KvEventBuffer()
         self.store = KVStore(store_root, model, 1 << 30, backend="preadv", events=self.events)
         reg = Registration(node_id, role, f"127.0.0.1:{free_port()}", snic_bytes_per_s=1e9)
-        load = lambda: pb.NodeLoad(buffer_free_bytes=1 << 40)  # noqa: E731
+        load = lambda: NodeLoad(buffer_free_bytes=1 << 40)  # noqa: E731
         self.agent = NodeAgent(address, reg, load, interval_s=0.02)
         self.publisher = KvEventPublisher(
             self.agent.stub, node_id, self.events, self.store.scan_keys

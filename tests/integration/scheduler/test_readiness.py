@@ -10,7 +10,7 @@ from dualpath.frontend.app import create_app
 from dualpath.frontend.grpc_backend import GrpcBackend
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration
-from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.scheduler.policy import NodeLoad
 
 
 async def _until(cond, timeout_s: float = 5.0) -> None:
@@ -24,7 +24,7 @@ async def test_agent_is_registered_only_while_the_scheduler_knows_it() -> None:
     sched = build(config.local_default(), None, "127.0.0.1", 0)
     await sched.start()
     agent = NodeAgent(
-        f"127.0.0.1:{sched.port}", Registration("d0", "decode", "127.0.0.1:7"), pb.NodeLoad
+        f"127.0.0.1:{sched.port}", Registration("d0", "decode", "127.0.0.1:7"), NodeLoad
     )
     assert not agent.registered
     agent.start()
@@ -45,7 +45,7 @@ async def test_frontend_health_is_503_until_it_can_route() -> None:
     sched = build(cfg, None, "127.0.0.1", 0)
     await sched.start()
     addr = f"127.0.0.1:{sched.port}"
-    agents = [NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:7"), pb.NodeLoad).start()]
+    agents = [NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:7"), NodeLoad).start()]
     app = create_app(cfg, GrpcBackend(cfg, addr, timeout_s=5))
     try:
         async with app.router.lifespan_context(app):
@@ -55,7 +55,7 @@ async def test_frontend_health_is_503_until_it_can_route() -> None:
                 r = await c.get("/health")
                 assert r.status_code == 503 and "waiting for workers" in r.json()["detail"]
                 agents.append(
-                    NodeAgent(addr, Registration("d0", "decode", "127.0.0.1:8"), pb.NodeLoad)
+                    NodeAgent(addr, Registration("d0", "decode", "127.0.0.1:8"), NodeLoad)
                 )
                 agents[-1].start()
                 await _until(lambda: agents[-1].registered)
@@ -77,9 +77,9 @@ async def test_overload_is_a_429_with_retry_after_within_the_queue_timeout() -> 
     sched.servicer.default_queue_timeout_s = 0.3
     await sched.start()
     addr = f"127.0.0.1:{sched.port}"
-    full = lambda: pb.NodeLoad(buffer_free_bytes=1)  # noqa: E731 (no room for any prompt)
+    full = lambda: NodeLoad(buffer_free_bytes=1)  # noqa: E731 (no room for any prompt)
     agents = [
-        NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:7"), pb.NodeLoad).start(),
+        NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:7"), NodeLoad).start(),
         NodeAgent(addr, Registration("d0", "decode", "127.0.0.1:8"), full).start(),
     ]
     app = create_app(cfg, GrpcBackend(cfg, addr, timeout_s=5))

@@ -11,14 +11,14 @@ import pytest
 from dualpath import config
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
-from dualpath.v1 import scheduler_pb2 as pb
+from dualpath.scheduler.policy import NodeLoad
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from schedtools import free_port, wait_nodes
 
 
 def load(pending=0):
-    return lambda: pb.NodeLoad(read_pending_bytes=pending, buffer_free_bytes=1 << 40)
+    return lambda: NodeLoad(read_pending_bytes=pending, buffer_free_bytes=1 << 40)
 
 
 def agents_for(address, prefill=2, decode=2):
@@ -143,17 +143,24 @@ async def test_kill_and_restart_under_load_loses_nothing():
                 failures.append(err.code())
             await asyncio.sleep(0.005)
 
+    async def until(done, what: str, timeout_s: float = 30.0) -> None:
+        # progress by count, not by a fixed sleep: a slow machine takes longer, not fails
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not done():
+            assert loop.time() < deadline, f"{what}: not within {timeout_s}s"
+            await asyncio.sleep(0.02)
+
     try:
         await wait_nodes(client, 4)
         task = asyncio.create_task(load_loop())
-        await asyncio.sleep(0.5)
+        await until(lambda: len(routed) >= 5, "routes before the kill")
         before = len(routed)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
-        await asyncio.sleep(0.3)
         proc = start_scheduler(port)  # a fresh scheduler with an empty view
         await wait_nodes(client, 4)  # rebuilt from re-registrations
-        await asyncio.sleep(0.5)
+        await until(lambda: len(routed) > before + 5, "routes after the restart")
         stop.set()
         await asyncio.wait_for(task, timeout=30)
         assert before > 0 and len(routed) > before + 5, (before, len(routed))

@@ -20,12 +20,12 @@ import grpc
 import pytest
 import torch
 import yaml
+from prometheus_client import REGISTRY
 
 pytest.importorskip("nixl_cu12")
 
 from dualpath.config import Role, from_resource  # noqa: E402
 from dualpath.kv import block_ids  # noqa: E402
-from dualpath.kv import metrics as kv_metrics  # noqa: E402
 from dualpath.kv.backend import PreadvBackend  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
@@ -301,7 +301,7 @@ async def test_a_hit_on_a_failing_store_is_recomputed_within_the_bound(
     assert decode.read_queue.read_timeout_s == bound_s
 
     def misses(reason):
-        return kv_metrics.MISSES.labels(reason=reason)._value.get()
+        return REGISTRY.get_sample_value("dualpath_kv_misses_total", {"reason": reason}) or 0.0
 
     real = decode.store.backend
     for fault, reason in (("eio", "io_error"), ("stuck", "timeout")):
@@ -324,14 +324,17 @@ async def test_a_hit_on_a_failing_store_is_recomputed_within_the_bound(
     def erofs(path, *a, **kw):  # noqa: ANN001, ANN002, ANN003
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    touch = kv_metrics.WRITE_FAILURES.labels(op="touch", reason="read_only")
-    before = touch._value.get()
+    def touch_failures():
+        labels = {"op": "touch", "reason": "read_only"}
+        return REGISTRY.get_sample_value("dualpath_kv_write_failures_total", labels) or 0.0
+
+    before = touch_failures()
     monkeypatch.setattr(os, "utime", erofs)
     req = _request(cfg, address, "f-ro", ctx, hit, spb.READ_PATH_DECODE)
     tokens, head = await asyncio.wait_for(_generate(decode, req), bound_s + 60)
     monkeypatch.undo()
     assert tokens == clean and head.hit_tokens == hit
-    assert touch._value.get() > before
+    assert touch_failures() > before
 
 
 async def test_cancelled_turns_free_their_buffers_at_once_not_after_a_deadline(cluster, decode):

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 from dualpath.kv import backend as be
-from dualpath.kv import metrics
+from prometheus_client import REGISTRY
 
 
 def test_auto_falls_back_to_preadv_logged_and_counted(monkeypatch, caplog):
@@ -12,12 +12,16 @@ def test_auto_falls_back_to_preadv_logged_and_counted(monkeypatch, caplog):
         raise be.NixlUnavailable("no POSIX plugin (test)")
 
     monkeypatch.setattr(be, "NixlBackend", broken)
-    counter = metrics.BACKEND_FALLBACKS.labels(reason="nixl_unavailable")
-    before = counter._value.get()
+
+    def fallbacks():
+        labels = {"reason": "nixl_unavailable"}
+        return REGISTRY.get_sample_value("dualpath_kv_backend_fallback_total", labels) or 0.0
+
+    before = fallbacks()
     with caplog.at_level(logging.WARNING, logger="dualpath.kv.backend"):
         chosen = be.make_backend("auto")
     assert chosen.name == "preadv"
-    assert counter._value.get() == before + 1
+    assert fallbacks() == before + 1
     assert "NIXL unavailable" in caplog.text
 
 

@@ -4,19 +4,8 @@ import pytest
 from dualpath.kv.queue import TokenBucket
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
-
-
-def test_bucket_paces_to_rate_after_burst():
-    clock = FakeClock()
+def test_bucket_paces_to_rate_after_burst(fake_clock):
+    clock = fake_clock
     bucket = TokenBucket(rate_bytes_per_s=1000.0, burst_bytes=100.0, clock=clock)
     assert bucket.reserve(100) == 0.0  # the burst is free
     for _ in range(50):
@@ -26,8 +15,8 @@ def test_bucket_paces_to_rate_after_burst():
     assert bucket.granted_bytes == 10100
 
 
-def test_bucket_refills_while_idle_but_only_up_to_burst():
-    clock = FakeClock()
+def test_bucket_refills_while_idle_but_only_up_to_burst(fake_clock):
+    clock = fake_clock
     bucket = TokenBucket(rate_bytes_per_s=1000.0, burst_bytes=100.0, clock=clock)
     bucket.reserve(100)
     clock.sleep(60.0)  # idle for a minute: still only `burst` banked
@@ -35,8 +24,8 @@ def test_bucket_refills_while_idle_but_only_up_to_burst():
     assert bucket.reserve(500) == pytest.approx(0.5)
 
 
-def test_for_gbps_uses_gigabits():
-    bucket = TokenBucket.for_gbps(8.0, clock=FakeClock())
+def test_for_gbps_uses_gigabits(fake_clock):
+    bucket = TokenBucket.for_gbps(8.0, clock=fake_clock)
     assert bucket.rate == 1e9  # 8 Gbit/s = 1 GB/s
 
 

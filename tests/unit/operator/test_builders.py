@@ -127,7 +127,7 @@ def test_every_rendered_container_command_is_one_the_cli_accepts(example):
             a.replace("$(POD_NAME)", "pod-0").replace("$(POD_IP)", "10.0.0.1") for a in c["args"]
         ]
         parsed = build_parser(args).parse_args(args)
-        assert parsed._module  # a command module was chosen
+        assert parsed._command  # a command was chosen
         if args[0] == "worker":
             assert parsed.role in ("prefill", "decode") and parsed.scheduler
 

@@ -51,20 +51,21 @@ def test_the_finalizer_check_sees_a_timer_or_a_delete_handler():
     assert len(finalizer_reasons(registry)) == 2
 
 
-def test_startup_stores_progress_in_annotations_and_cleanup_stops_the_resync(monkeypatch):
-    api = FakeApi()
-    monkeypatch.setattr(handlers, "_reconciler", Reconciler(api))
+def test_startup_stores_progress_in_annotations_and_cleanup_stops_the_resync():
+    rec = Reconciler(FakeApi())
+    memo = kopf.Memo(reconciler=rec)
 
     async def lifecycle():
         settings = kopf.OperatorSettings()
-        await handlers.configure(settings=settings)
-        task = handlers._resync_task
+        await handlers.configure(settings=settings, memo=memo)
+        task = memo.resync
         assert task is not None and not task.done()
-        await handlers.stop_resync()
+        await handlers.stop_resync(memo=memo)
         return settings, task
 
     settings, task = asyncio.run(lifecycle())
     assert task.cancelled()
+    assert memo.reconciler is rec  # startup keeps a reconciler it is given
     progress = settings.persistence.progress_storage
     assert isinstance(progress, kopf.AnnotationsProgressStorage)
     assert progress.prefix == "dualpath.io"
@@ -89,13 +90,13 @@ def test_resync_reconciles_known_clusters_outside_their_backoff():
     assert len(api.calls) > calls
 
 
-def test_a_retryable_error_becomes_a_kopf_temporary_error_with_the_backoff(monkeypatch):
+def test_a_retryable_error_becomes_a_kopf_temporary_error_with_the_backoff():
     api = FakeApi()
     api.create(cluster_body())
     api.refuse[("ConfigMap", "agents-config")] = api_error(429, "TooManyRequests", "slow down")
-    monkeypatch.setattr(handlers, "_reconciler", Reconciler(api, Backoff(base_s=7)))
+    memo = kopf.Memo(reconciler=Reconciler(api, Backoff(base_s=7)))
     with pytest.raises(kopf.TemporaryError) as err:
-        handlers.cluster_changed(namespace="default", name="agents")
+        handlers.cluster_changed(namespace="default", name="agents", memo=memo)
     assert err.value.delay == 7
 
 

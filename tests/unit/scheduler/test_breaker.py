@@ -4,7 +4,7 @@ the outcomes of its requests, and a retry's exclusions, both applied before the 
 import pytest
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import SchedulerState
-from fake_clock import Clock
+from fake_clock import FakeClock
 
 
 def make(clock, decodes=("d0", "d1")):
@@ -41,14 +41,14 @@ def fail_on(st, node, n):
 
 
 def test_consecutive_failures_open_the_breaker_and_route_around_the_node():
-    st = make(Clock())
+    st = make(FakeClock())
     fail_on(st, "d0", 3)
     assert st.open_breakers() == 1 and st.breaker_opens_total == 1
     assert {route(st).decode_node for _ in range(20)} == {"d1"}
 
 
 def test_failures_below_the_threshold_or_broken_by_a_success_do_not_open_it():
-    st = make(Clock())
+    st = make(FakeClock())
     fail_on(st, "d0", 2)
     d = next(x for x in iter(lambda: route(st), None) if x.decode_node == "d0")
     st.complete(d.request_id, ok=True)  # the streak ends
@@ -57,7 +57,7 @@ def test_failures_below_the_threshold_or_broken_by_a_success_do_not_open_it():
 
 
 def test_cancelled_requests_say_nothing_of_the_node():
-    st = make(Clock())
+    st = make(FakeClock())
     for _ in range(10):
         d = route(st)
         st.complete(d.request_id, ok=False, cancelled=True)
@@ -65,7 +65,7 @@ def test_cancelled_requests_say_nothing_of_the_node():
 
 
 def test_half_open_after_the_cooldown_one_probe_then_closed_on_success():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     fail_on(st, "d0", 3)
     clock.t = 4.9
@@ -80,7 +80,7 @@ def test_half_open_after_the_cooldown_one_probe_then_closed_on_success():
 
 
 def test_a_failed_probe_opens_the_breaker_for_another_cooldown():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     fail_on(st, "d0", 3)
     clock.t = 5.0
@@ -93,7 +93,7 @@ def test_a_failed_probe_opens_the_breaker_for_another_cooldown():
 
 
 def test_the_last_available_node_of_a_role_is_never_taken_out():
-    st = make(Clock(), decodes=("d0",))
+    st = make(FakeClock(), decodes=("d0",))
     for _ in range(10):
         d = route(st)
         st.complete(d.request_id, ok=False)
@@ -102,7 +102,7 @@ def test_the_last_available_node_of_a_role_is_never_taken_out():
 
 
 def test_a_retry_excludes_the_failed_pair_for_that_request_only():
-    st = make(Clock())
+    st = make(FakeClock())
     assert {route(st, exclude=["d0"]).decode_node for _ in range(10)} == {"d1"}
     assert route(st, exclude=["p0"]) is None  # the only prefill node: no pair for this one
     assert "d0" in {route(st).decode_node for _ in range(10)}  # others still go there
@@ -110,7 +110,7 @@ def test_a_retry_excludes_the_failed_pair_for_that_request_only():
 
 @pytest.mark.parametrize("ok", [True, False])
 def test_every_completion_ends_its_in_flight_entry(ok):
-    st = make(Clock())
+    st = make(FakeClock())
     ids = [route(st).request_id for _ in range(4)]
     for rid in ids:
         st.complete(rid, ok=ok)
@@ -118,7 +118,7 @@ def test_every_completion_ends_its_in_flight_entry(ok):
 
 
 def test_a_failure_naming_its_node_counts_against_that_node_only():
-    st = make(Clock())
+    st = make(FakeClock())
     st.register(NodeState("p1", "prefill"), "a:2")
     for _ in range(5):
         d = route(st)

@@ -14,7 +14,7 @@ from dualpath.scheduler.policy import (
     get_policy,
 )
 from dualpath.scheduler.state import SchedulerState
-from fake_clock import Clock
+from fake_clock import FakeClock
 
 
 def p(node_id, config_hash, **kw):
@@ -107,7 +107,7 @@ def test_pools_follow_membership_changes():
 
 
 def test_state_registers_hashes_and_counts_unpaired_refusals(caplog):
-    clock = Clock()
+    clock = FakeClock()
     st = SchedulerState(get_policy("dualpath"), Thresholds(), node_timeout_s=1.0, clock=clock)
     st.register(NodeState("p0", "prefill"), "a:1", config_hash="v1")
     st.register(NodeState("d0", "decode"), "b:1", config_hash="v2")

@@ -4,7 +4,7 @@ or draining one is replaced cleanly, and the replaced incarnation's heartbeats a
 import pytest
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import NodeConflict, SchedulerState
-from fake_clock import Clock
+from fake_clock import FakeClock
 
 
 def make(clock):
@@ -23,7 +23,7 @@ def route(st):
 
 
 def test_a_second_process_under_a_live_node_id_is_refused():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     clock.t = 0.5
     with pytest.raises(NodeConflict, match="d0"):
@@ -33,13 +33,13 @@ def test_a_second_process_under_a_live_node_id_is_refused():
 
 
 def test_the_same_incarnation_registers_again_freely():
-    st = make(Clock())
+    st = make(FakeClock())
     st.register(NodeState("d0", "decode"), "b:1", incarnation="d-one")  # e.g. a stream error
     assert beat(st, "d0", "d-one")
 
 
 def test_a_timed_out_incarnation_is_replaced_and_its_heartbeats_are_unknown():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     clock.t = 1.5
     st.expire()
@@ -52,7 +52,7 @@ def test_a_timed_out_incarnation_is_replaced_and_its_heartbeats_are_unknown():
 
 
 def test_a_silent_incarnation_is_replaced_even_before_the_liveness_sweep():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     clock.t = 1.2  # past the timeout, not expired yet
     st.register(NodeState("d0", "decode"), "b:2", incarnation="d-two")
@@ -60,7 +60,7 @@ def test_a_silent_incarnation_is_replaced_even_before_the_liveness_sweep():
 
 
 def test_a_draining_incarnation_is_replaced_and_the_new_one_serves():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     assert st.drain("p0")
     assert beat(st, "p0", "p-one")  # still beating while it drains
@@ -70,7 +70,7 @@ def test_a_draining_incarnation_is_replaced_and_the_new_one_serves():
 
 
 def test_a_replaced_incarnation_starts_with_a_closed_breaker():
-    clock = Clock()
+    clock = FakeClock()
     st = SchedulerState(
         get_policy("dualpath"), Thresholds(), node_timeout_s=1.0, clock=clock, breaker_failures=1
     )
@@ -89,7 +89,7 @@ def test_a_replaced_incarnation_starts_with_a_closed_breaker():
 
 
 def test_a_registrant_without_an_incarnation_cannot_take_over_a_live_node():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     with pytest.raises(NodeConflict):
         st.register(NodeState("d0", "decode"), "evil:1")  # sends none: still another identity

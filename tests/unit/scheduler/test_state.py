@@ -2,7 +2,7 @@
 
 from dualpath.scheduler.policy import NodeState, RouteRequest, Thresholds, get_policy
 from dualpath.scheduler.state import SchedulerState
-from fake_clock import Clock
+from fake_clock import FakeClock
 
 
 def make(clock):
@@ -18,7 +18,7 @@ def req(i=0):
 
 
 def test_silent_node_leaves_the_pool_and_comes_back_on_heartbeat():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)
     clock.t = 0.9
     st.heartbeat("p0", 0, 0, 0, 0, 1 << 40, False)
@@ -33,19 +33,19 @@ def test_silent_node_leaves_the_pool_and_comes_back_on_heartbeat():
 
 
 def test_draining_node_gets_no_new_requests():
-    st = make(Clock())
+    st = make(FakeClock())
     assert st.drain("p0")
     assert all(st.route(req()).prefill_node == "p1" for _ in range(5))
     assert not st.drain("nope")
 
 
 def test_unknown_node_heartbeat_asks_for_registration():
-    st = make(Clock())
+    st = make(FakeClock())
     assert not st.heartbeat("ghost", 0, 0, 0, 0, 0, False)
 
 
 def test_route_assigns_ids_and_tracks_in_flight():
-    st = make(Clock())
+    st = make(FakeClock())
     d = st.route(req())
     assert d.request_id and d.request_id in st.in_flight
     assert st.complete(d.request_id) is not None

@@ -6,6 +6,7 @@ import pytest
 from dualpath import trace
 from dualpath.config import ModelSpec
 from dualpath.scheduler.policy import get_policy
+from dualpath.sim import engine as sim_engine
 from dualpath.sim.engine import SimConfig, Simulator
 from dualpath.sim.model import CostModel, Hardware
 
@@ -108,3 +109,34 @@ def test_needs_nodes() -> None:
     hw = Hardware()
     with pytest.raises(ValueError, match="at least one prefill"):
         Simulator(SimConfig(0, 1, hw, CostModel.build(MODEL, hw)), get_policy("dualpath"), [])
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_sim_charges_through_account_and_releases_every_charge(group: int) -> None:
+    """The simulator charges a routed turn with the scheduler's `account()` (the service's own
+    accounting) and its nodes release exactly that: at the end every counter is back to idle."""
+    hw = Hardware()
+    cost = CostModel.build(MODEL, hw)
+    trs = trace.generate(trace.TraceSpec(agents=6, max_turns=4, seed=5))
+    cfg = SimConfig(1, 2, hw, cost, agent_group=group)
+    for name in ("dualpath", "round-robin"):
+        sim = Simulator(cfg, get_policy(name), trs)
+        charged = []
+        original = sim_engine.account
+
+        def spy(view, request, decision, _charged=charged, _account=original):
+            _charged.append(request)
+            _account(view, request, decision)
+
+        sim_engine.account = spy
+        try:
+            r = sim.run()
+        finally:
+            sim_engine.account = original
+        assert r.agents_done == 6 * group
+        assert len(charged) == r.turns_done // group  # one charge per routed turn
+        assert all(c.max_new_tokens % group == 0 and c.prompt_tokens % group == 0 for c in charged)
+        for n in (*sim.pre, *sim.dec):
+            s = n.state
+            assert (s.tokens_queued, s.tokens_running, s.requests_running) == (0, 0, 0)
+            assert s.buffer_free_bytes == hw.decode_kv_capacity_bytes

@@ -17,18 +17,11 @@ from dualpath.transfer.link import (
     LinkClosed,
     measure_isolation,
 )
+from fake_clock import FakeClock
 
 MODEL, KV = 0, 1
 MiB = 1 << 20
 RATE = 1e9  # bytes per second (8 Gbps)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def drive(sched, streams, until_s, warmup_s=0.1):
@@ -252,8 +245,12 @@ def test_threads_and_a_loop_share_one_link_without_beating_its_rate():
 
 
 @pytest.mark.parametrize("mode", ["threads", "asyncio"])
-def test_measure_isolation_reports_model_kept_and_kv_progressing(mode):
+def test_measure_isolation_reports_every_rate_within_the_link(mode):
+    """The shell's report, not its ratio: how the classes share the link is asserted on the
+    virtual clock above (99:1 keeps model over 95%); on real threads it is a wall-clock figure,
+    `dualpath bench transfer`'s isolation (bar >= 0.95), which a loaded machine would skew."""
     r = measure_isolation(4.0, seconds=0.2, streams=2, mode=mode)
-    assert r["model_solo_gbps"] <= 4.0 * 1.05
-    assert r["model_shared_gbps"] > 5 * r["kv_shared_gbps"] > 0
+    assert r["model_solo_gbps"] <= 4.0 * 1.05  # slowness only lowers a rate: a safe bound
+    assert r["model_shared_gbps"] + r["kv_shared_gbps"] <= 4.0 * 1.05
+    assert r["model_shared_gbps"] > 0 and r["kv_shared_gbps"] > 0
     assert r["isolation"] == pytest.approx(r["model_shared_gbps"] / r["model_solo_gbps"])

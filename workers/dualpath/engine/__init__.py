@@ -2,42 +2,34 @@
 and the intra-node prefill cost model and batcher.
 
 from dualpath.engine import Engine, SamplingParams, MemorySource
+
+Exports load lazily (PEP 562): `dualpath.engine.cost` is pure (numpy only) and imports without
+torch, so the scheduler and the simulator can price a prefill without the model's deps.
 """
 
-from dualpath.engine.decode import CacheFullError, PagedKVCache, SamplingParams, StepOutput, sample
-from dualpath.engine.engine import Engine
-from dualpath.engine.model import (
-    TiledAttention,
-    Transformer,
-    configure_threads,
-    load_checkpoint,
-    save_checkpoint,
-    spec_from_checkpoint,
-)
-from dualpath.engine.prefill import (
-    EmptySource,
-    LayerSource,
-    MemorySource,
-    PrefillRun,
-    ThrottledSource,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CacheFullError",
-    "EmptySource",
-    "Engine",
-    "LayerSource",
-    "MemorySource",
-    "PagedKVCache",
-    "PrefillRun",
-    "SamplingParams",
-    "StepOutput",
-    "ThrottledSource",
-    "TiledAttention",
-    "Transformer",
-    "configure_threads",
-    "load_checkpoint",
-    "sample",
-    "save_checkpoint",
-    "spec_from_checkpoint",
-]
+from dualpath import lazy
+
+_EXPORTS = {
+    "CacheFullError": "dualpath.engine.decode",
+    "PagedKVCache": "dualpath.engine.decode",
+    "SamplingParams": "dualpath.engine.decode",
+    "StepOutput": "dualpath.engine.decode",
+    "sample": "dualpath.engine.decode",
+    "Engine": "dualpath.engine.engine",
+    "TiledAttention": "dualpath.engine.model",
+    "Transformer": "dualpath.engine.model",
+    "configure_threads": "dualpath.engine.model",
+    "load_checkpoint": "dualpath.engine.model",
+    "save_checkpoint": "dualpath.engine.model",
+    "spec_from_checkpoint": "dualpath.engine.model",
+    "EmptySource": "dualpath.engine.prefill",
+    "LayerSource": "dualpath.engine.prefill",
+    "MemorySource": "dualpath.engine.prefill",
+    "PrefillRun": "dualpath.engine.prefill",
+    "ThrottledSource": "dualpath.engine.prefill",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy.exports(__name__, _EXPORTS)

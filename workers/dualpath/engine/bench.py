@@ -30,6 +30,7 @@ from dualpath.engine.cost import relative_errors
 from dualpath.engine.decode import SamplingParams
 from dualpath.engine.engine import Engine
 from dualpath.engine.prefill import MemorySource, ThrottledSource
+from dualpath.units import gbps_to_bytes_per_s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +121,7 @@ async def _overlap(
     await compute_alone()  # warm-up
     # the median, not the best: the load is sized against a typical compute, not a lucky one
     calibration = statistics.median([await compute_alone() for _ in range(args.repeats)])
-    bps = args.gbps * 1e9 / 8 or total_bytes / (calibration * load_to_compute)
+    bps = gbps_to_bytes_per_s(args.gbps) or total_bytes / (calibration * load_to_compute)
     # interleaved, and the same number of samples of each: a best-of over more samples of one
     # side than of the other would bias the ratio
     compute, load, both, waits = [], [], [], []

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from dualpath.frontend.auth import ApiKeys, ApiKeysError, default_keys_path
     from dualpath.frontend.backend import FakeBackend
 
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     if args.fake:
         backend = FakeBackend(cfg.spec.model)
     else:

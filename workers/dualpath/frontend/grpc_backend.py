@@ -22,6 +22,8 @@ from dualpath.grpc_auth import ClusterToken
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
+from dualpath.scheduler.policy.types import RouteRequest
+from dualpath.scheduler.wire import route_fields
 from dualpath.worker import FAILED_NODE_KEY
 
 log = logging.getLogger(__name__)
@@ -182,14 +184,16 @@ class GrpcBackend:
 
     async def _route(self, req: TurnRequest, rid: str, keys: bytes, exclude: list[str]):
         try:
+            turn = RouteRequest.for_turn(
+                rid,
+                len(req.prompt_ids),
+                0,  # the hit is the scheduler's to find (its block index)
+                self.model.kv_bytes_per_token,
+                req.max_new_tokens,
+                req.session_id,
+            )
             return await self._sched.route(
-                request_id=rid,
-                session_id=req.session_id,
-                prompt_tokens=len(req.prompt_ids),
-                block_keys=keys,
-                context_bytes=len(req.prompt_ids) * self.model.kv_bytes_per_token,
-                max_new_tokens=req.max_new_tokens,
-                exclude_nodes=exclude,
+                **route_fields(turn), block_keys=keys, exclude_nodes=exclude
             )
         except grpc.aio.AioRpcError as err:
             code = err.code()

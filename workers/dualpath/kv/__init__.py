@@ -5,35 +5,32 @@ store = KVStore(root, model, capacity_bytes=64 << 30)       # backend "auto" | "
 ids = block_ids(tokens, model); hits = store.lookup(ids)
 queue = ReadQueue(store, concurrency=8, snic_gbps=0)
 handle = queue.submit(ids[:hits]); k, v = await handle.layer(0)
+
+Exports load lazily (PEP 562): `dualpath.kv.ids` and `dualpath.kv.format` are pure and import
+without torch, so the frontend and the scheduler can hash block ids without the store's deps.
 """
 
-from dualpath.kv.format import BlockFormatError, BlockLayout
-from dualpath.kv.ids import BlockId, block_ids
-from dualpath.kv.queue import KVLoadError, LayerReadHandle, ReadQueue, TokenBucket
-from dualpath.kv.store import (
-    BlockFailure,
-    BlockRead,
-    KVStore,
-    LayerRead,
-    request_buffer_bytes,
-    request_layer_views,
-    split_blocks,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BlockFailure",
-    "KVLoadError",
-    "LayerReadHandle",
-    "ReadQueue",
-    "TokenBucket",
-    "BlockFormatError",
-    "BlockId",
-    "BlockLayout",
-    "BlockRead",
-    "KVStore",
-    "LayerRead",
-    "block_ids",
-    "request_buffer_bytes",
-    "request_layer_views",
-    "split_blocks",
-]
+from dualpath import lazy
+
+_EXPORTS = {
+    "BlockFormatError": "dualpath.kv.format",
+    "BlockLayout": "dualpath.kv.format",
+    "BlockId": "dualpath.kv.ids",
+    "block_ids": "dualpath.kv.ids",
+    "KVLoadError": "dualpath.kv.queue",
+    "LayerReadHandle": "dualpath.kv.queue",
+    "ReadQueue": "dualpath.kv.queue",
+    "TokenBucket": "dualpath.kv.queue",
+    "BlockFailure": "dualpath.kv.store",
+    "BlockRead": "dualpath.kv.store",
+    "KVStore": "dualpath.kv.store",
+    "LayerRead": "dualpath.kv.store",
+    "request_buffer_bytes": "dualpath.kv.store",
+    "request_layer_views": "dualpath.kv.store",
+    "split_blocks": "dualpath.kv.store",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy.exports(__name__, _EXPORTS)

@@ -31,6 +31,7 @@ from dualpath.kv.backend import BACKENDS
 from dualpath.kv.ids import block_ids
 from dualpath.kv.queue import ReadQueue
 from dualpath.kv.store import KVStore, random_layers
+from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def _bench(args: argparse.Namespace, model: ModelSpec, root: Path) -> dict:
 
 def _capped(store: KVStore, ids: list, args: argparse.Namespace, buf: torch.Tensor) -> dict:
     lo = store.layout
-    target_bytes = args.snic_gbps * 1e9 / 8 * args.capped_seconds
+    target_bytes = gbps_to_bytes_per_s(args.snic_gbps) * args.capped_seconds
     reps = max(1, round(target_bytes / (len(ids) * lo.payload_bytes)))
     n = max(1, min(len(ids), round(target_bytes / lo.payload_bytes)))
     with ReadQueue(

@@ -43,6 +43,7 @@ from dualpath.kv.store import (
     request_layer_bytes,
     request_layer_views,
 )
+from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class TokenBucket:
 
     @classmethod
     def for_gbps(cls, gbps: float, clock: Callable[[], float] = time.monotonic) -> TokenBucket:
-        rate = gbps * 1e9 / 8  # gigabits -> bytes
+        rate = gbps_to_bytes_per_s(gbps)
         return cls(rate, burst_bytes=max(rate * 0.01, 64 << 10), clock=clock)
 
     def reserve(self, nbytes: int) -> float:

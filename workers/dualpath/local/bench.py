@@ -28,6 +28,7 @@ import httpx
 
 from dualpath import config
 from dualpath.trace import TraceSpec, Trajectory, generate
+from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -508,7 +509,7 @@ def run_policy(
         after = _bytes_by_path(cluster.endpoints.workers)
         before = mark["before"]
     nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
-    caps = nodes * pcfg.spec.storage.snic_gbps * 1e9 / 8
+    caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
     read = {k: after[k] - before[k] for k in after}
     return summarize(policy, results, elapsed, read, caps), results
 
@@ -561,7 +562,7 @@ def base_config(args: argparse.Namespace, snic_gbps: float | None = None) -> con
     run directory and SNIC cap (`snic_gbps`, else a numeric --snic-gbps; 0 keeps the spec's)."""
     from dualpath.local.cluster import with_overrides
 
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     over: dict[str, Any] = {
         "prefill.replicas": args.prefill,
         "decode.replicas": args.decode,

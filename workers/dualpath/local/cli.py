@@ -10,6 +10,7 @@ import logging
 import signal
 
 from dualpath import config
+from dualpath.scheduler.policy import POLICY_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", help="DualPathCluster YAML (default: embedded local)")
     parser.add_argument("--run-dir", default="out/local", help="resolved config lives here")
-    parser.add_argument("--policy", help="override spec.scheduler.policy")
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="override spec.scheduler.policy")
     parser.add_argument(
         "--grace",
         type=float,
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from dualpath.local.cluster import LocalCluster, with_overrides
     from dualpath.local.supervisor import StartError
 
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     if args.policy:
         cfg = with_overrides(cfg, **{"scheduler.policy": args.policy})
     cluster = LocalCluster(

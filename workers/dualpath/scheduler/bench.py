@@ -16,6 +16,9 @@ import tracemalloc
 
 from dualpath.scheduler.index import ROOT, BlockIndex, keys_view, pack_keys
 from dualpath.scheduler.policy import ClusterView, NodeState, RouteRequest, get_policy
+from dualpath.scheduler.wire import route_fields
+
+KV_BYTES_PER_TOKEN = 70_000  # about DeepSeek-V3's MLA latent per token, all layers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +81,7 @@ def _requests(n: int, rng: random.Random) -> list[RouteRequest]:
     for i in range(n):
         prompt = rng.randrange(4_000, 64_000)
         hit = prompt - rng.randrange(64, 700)
-        out.append(RouteRequest(f"r{i}", prompt, hit, hit * 70_000, prompt * 70_000, 180))
+        out.append(RouteRequest.for_turn(f"r{i}", prompt, hit, KV_BYTES_PER_TOKEN, 180))
     return out
 
 
@@ -179,7 +182,7 @@ def index_route(
         t0 = clock()
         keys = keys_view(packed)
         hit = index.hit_blocks(keys, (prompt - 1) // block_tokens) * block_tokens
-        policy.decide(RouteRequest(rid, prompt, hit, hit * 70_000, prompt * 70_000, 180), view)
+        policy.decide(RouteRequest.for_turn(rid, prompt, hit, KV_BYTES_PER_TOKEN, 180), view)
         lat.append(clock() - t0)
         hit_blocks += hit // block_tokens
     wall_s = (clock() - t_start) / 1e9
@@ -226,12 +229,8 @@ async def through_grpc(
         t_start = time.perf_counter_ns()
         for prompt, keys in reqs:
             t0 = time.perf_counter_ns()
-            resp = await client.route(
-                prompt_tokens=prompt,
-                block_keys=keys,
-                context_bytes=prompt * 70_000,
-                max_new_tokens=180,
-            )
+            turn = RouteRequest.for_turn("", prompt, 0, KV_BYTES_PER_TOKEN, 180)
+            resp = await client.route(**route_fields(turn), block_keys=keys)
             lat.append(time.perf_counter_ns() - t0)
             await client.complete(resp.request_id)
         wall_s = (time.perf_counter_ns() - t_start) / 1e9

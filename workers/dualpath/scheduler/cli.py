@@ -11,6 +11,8 @@ from dualpath import config
 from dualpath.grpc_auth import ClusterToken, add_token_argument
 from dualpath.grpc_auth import load as load_token
 from dualpath.observability import ObservabilityServer, loop_liveness
+from dualpath.scheduler.policy import POLICY_NAMES
+from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, help="gRPC port (default: spec.scheduler.port)")
     parser.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health")
-    parser.add_argument("--policy", help="override spec.scheduler.policy")
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="override spec.scheduler.policy")
     add_token_argument(parser)
 
 
@@ -32,11 +34,13 @@ def build(
     token: ClusterToken | None = None,
 ):
     from dualpath.scheduler.policy import get_policy, thresholds_from_spec
+    from dualpath.scheduler.policy.types import DEFAULT_CNIC_BYTES_PER_S
     from dualpath.scheduler.service import SchedulerServer, SchedulerServicer
     from dualpath.scheduler.state import SchedulerState
 
     s = cfg.spec.scheduler
-    cnic = cfg.spec.network.cnic_gbps * 1e9 / 8 if cfg.spec.network.cnic_gbps else 25.0e9
+    gbps = cfg.spec.network.cnic_gbps
+    cnic = gbps_to_bytes_per_s(gbps) if gbps else DEFAULT_CNIC_BYTES_PER_S
     state = SchedulerState(
         get_policy(policy_name or s.policy.value),
         thresholds_from_spec(s),
@@ -49,7 +53,7 @@ def build(
 
 
 async def serve(args: argparse.Namespace) -> None:
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     port = args.port if args.port is not None else cfg.spec.scheduler.port
     server = build(cfg, args.policy, args.host, port, load_token(args.token_file, "scheduler"))
     obs = ObservabilityServer(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import grpc
 
 from dualpath import grpc_auth
+from dualpath.scheduler.policy.types import NodeLoad
+from dualpath.scheduler.wire import ROLE_TO_PB, load_to_pb
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -111,7 +113,7 @@ class Registration:
 
 
 class NodeAgent:
-    """Keeps one worker registered and heartbeating. `load()` returns a `pb.NodeLoad`.
+    """Keeps one worker registered and heartbeating. `load()` returns the node's `NodeLoad`.
 
     On a stream error or a `known=False` ack (scheduler restarted and lost its view) it
     registers again, with bounded, logged backoff. `stop()` ends the task.
@@ -121,7 +123,7 @@ class NodeAgent:
         self,
         scheduler_address: str,
         reg: Registration,
-        load: Callable[[], pb.NodeLoad],
+        load: Callable[[], NodeLoad],
         interval_s: float = 0.02,
         rpc_timeout_s: float = 2.0,
         on_kv_snapshot: Callable[[int], None] | None = None,
@@ -147,7 +149,7 @@ class NodeAgent:
         return self
 
     async def _register(self) -> None:
-        role = pb.ROLE_PREFILL if self.reg.role == "prefill" else pb.ROLE_DECODE
+        role = ROLE_TO_PB[self.reg.role]
         resp = await self.stub.Register(
             pb.RegisterRequest(
                 node_id=self.reg.node_id,
@@ -158,7 +160,7 @@ class NodeAgent:
                 prefill_tokens_per_s=self.reg.prefill_tokens_per_s,
                 group=self.reg.group,
                 config_hash=self.reg.config_hash,
-                load=self.load(),
+                load=load_to_pb(self.load()),
                 incarnation=self.incarnation,
             ),
             timeout=self.rpc_timeout_s,
@@ -174,7 +176,7 @@ class NodeAgent:
     async def _beats(self):
         while not self._stopping.is_set():
             yield pb.Heartbeat(
-                node_id=self.reg.node_id, load=self.load(), incarnation=self.incarnation
+                node_id=self.reg.node_id, load=load_to_pb(self.load()), incarnation=self.incarnation
             )
             try:
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.interval_s)

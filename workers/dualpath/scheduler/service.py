@@ -21,14 +21,21 @@ from grpc_reflection.v1alpha import reflection
 from dualpath.grpc_auth import ClusterToken, server_interceptors
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
-from dualpath.scheduler.policy import NodeState, ReadPath, RouteRequest
+from dualpath.scheduler.policy import ReadPath
 from dualpath.scheduler.state import NodeConflict, SchedulerState
+from dualpath.scheduler.wire import (
+    ROLE_FROM_PB,
+    ROLE_TO_PB,
+    load_from_pb,
+    load_to_pb,
+    node_from_register,
+    route_from_pb,
+)
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-_ROLE = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
 _PATH = {ReadPath.PREFILL: pb.READ_PATH_PREFILL, ReadPath.DECODE: pb.READ_PATH_DECODE}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
@@ -69,7 +76,7 @@ def load_problem(prefix: str, load: pb.NodeLoad) -> str | None:
 
 def register_request_problem(r: pb.RegisterRequest) -> str | None:
     """What makes a RegisterRequest unusable, naming the field; None: it is well-formed."""
-    if not r.node_id or r.role not in _ROLE:
+    if not r.node_id or r.role not in ROLE_FROM_PB:
         return "node_id and role are required"
     host, sep, port = r.address.rpartition(":")
     if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
@@ -103,21 +110,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         problem = register_request_problem(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RegisterRequest: {problem}")
-        role = _ROLE[request.role]
-        load = request.load
-        state = NodeState(
-            node_id=request.node_id,
-            role=role,
-            read_pending_bytes=load.read_pending_bytes,
-            snic_bytes_per_s=request.snic_bytes_per_s or 1.0e9,
-            tokens_queued=load.tokens_queued,
-            tokens_running=load.tokens_running,
-            requests_running=load.requests_running,
-            buffer_free_bytes=load.buffer_free_bytes or (1 << 40),
-            prefill_tokens_per_s=request.prefill_tokens_per_s or 10_000.0,
-            group=request.group or "default",
-            draining=load.draining,
-        )
+        state = node_from_register(request)
         try:
             self.state.register(
                 state,
@@ -136,17 +129,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Heartbeats(self, request_iterator, context):  # noqa: N802
         async for hb in request_iterator:
-            ld = hb.load
-            known = self.state.heartbeat(
-                hb.node_id,
-                ld.read_pending_bytes,
-                ld.tokens_queued,
-                ld.tokens_running,
-                ld.requests_running,
-                ld.buffer_free_bytes,
-                ld.draining,
-                hb.incarnation,
-            )
+            ld = load_from_pb(hb.load)
+            known = self.state.heartbeat(hb.node_id, **ld._asdict(), incarnation=hb.incarnation)
             snapshot_id = 0
             if known:
                 m.NODE_READ_PENDING.labels(hb.node_id).set(ld.read_pending_bytes)
@@ -244,17 +228,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             "unready" if not self.state.index.ready else "hit" if hit else "miss"
         ).inc()
         m.INDEX_HIT_BLOCKS.inc(hit // self.state.block_tokens)
-        # bytes per token from the caller's own context size (its model's KV layout)
-        per_token = request.context_bytes // request.prompt_tokens
-        rr = RouteRequest(
-            request_id=request.request_id,
-            prompt_tokens=request.prompt_tokens,
-            hit_tokens=hit,
-            hit_bytes=hit * per_token,
-            context_bytes=request.context_bytes,
-            max_new_tokens=request.max_new_tokens,
-            session_id=request.session_id,
-        )
+        rr = route_from_pb(request, hit)
         if request.exclude_nodes and not self.state.has_pair_without(request.exclude_nodes):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -340,20 +314,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             s = rec.state
             out.nodes.add(
                 node_id=s.node_id,
-                role=pb.ROLE_PREFILL if s.role == "prefill" else pb.ROLE_DECODE,
+                role=ROLE_TO_PB[s.role],
                 address=rec.address,
                 healthy=s.healthy,
                 group=s.group,
                 config_hash=s.config_hash,
                 seconds_since_heartbeat=now - rec.last_seen_s,
-                load=pb.NodeLoad(
-                    read_pending_bytes=s.read_pending_bytes,
-                    tokens_queued=s.tokens_queued,
-                    tokens_running=s.tokens_running,
-                    requests_running=s.requests_running,
-                    buffer_free_bytes=s.buffer_free_bytes,
-                    draining=s.draining,
-                ),
+                load=load_to_pb(s.load),
             )
         return out
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dualpath.scheduler.index import BlockIndex
 from dualpath.scheduler.policy import (
+    DEFAULT_CNIC_BYTES_PER_S,
     ClusterView,
     Decision,
     NodeState,
@@ -74,7 +75,7 @@ class SchedulerState:
         policy: Policy,
         thresholds: Thresholds,
         node_timeout_s: float,
-        cnic_bytes_per_s: float = 25.0e9,
+        cnic_bytes_per_s: float = DEFAULT_CNIC_BYTES_PER_S,
         clock: Callable[[], float] = time.monotonic,
         block_tokens: int = 64,
         index: BlockIndex | None = None,

@@ -22,6 +22,7 @@ from typing import Any
 
 from dualpath import trace
 from dualpath.config import ClusterConfig, ModelSpec, load
+from dualpath.scheduler.policy import thresholds_from_spec
 from dualpath.scheduler.policy.types import Thresholds
 from dualpath.sim.engine import SimConfig, SimResult, Simulator, percentile
 from dualpath.sim.model import CostModel, Hardware
@@ -132,9 +133,7 @@ class _Setup:
                 hw = replace(hw, snic_gbps=spec.storage.snic_gbps)
             if spec.network.cnic_gbps:
                 hw = replace(hw, cnic_gbps=spec.network.cnic_gbps)
-            th = Thresholds(
-                spec.scheduler.short_read_queue_seconds, spec.scheduler.overloaded_prefill_seconds
-            )
+            th = thresholds_from_spec(spec.scheduler)
         else:
             model = ModelSpec(preset=model_name)
             th = Thresholds()

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dualpath.scheduler.policy import account
 from dualpath.scheduler.policy.types import (
     ClusterView,
     NodeState,
@@ -86,10 +87,11 @@ class _Req:
     p: int = 0
     d: int = 0
     path_d: bool = False
-    ctx_bytes: int = 0
+    ctx_bytes: int = 0  # KV of prompt + generated tokens on the decode node (its step cost)
     step_s: float = 0.0
     first_token_s: float = -1.0
     w: int = 1  # agents this request stands for (SimConfig.agent_group)
+    routed: RouteRequest | None = None  # what the policy saw and `account` charged
 
 
 @dataclass(slots=True)
@@ -257,23 +259,24 @@ class Simulator:
         cfg = self.cfg
         if now - self.last_refresh_s >= cfg.heartbeat_s:
             self._refresh(now)
-        kvpt = cfg.cost.kv_bytes_per_token
-        w = req.w
-        hit_bytes = req.hit * kvpt * w
-        rr = RouteRequest(
-            request_id=f"{req.agent}.{req.turn}",
-            prompt_tokens=req.prompt * w,
-            hit_tokens=req.hit * w,
-            hit_bytes=hit_bytes,
-            context_bytes=req.ctx_bytes,
-            max_new_tokens=req.gen,
-            session_id=str(req.agent),
+        rr = RouteRequest.for_turn(
+            f"{req.agent}.{req.turn}",
+            req.prompt,
+            req.hit,
+            cfg.cost.kv_bytes_per_token,
+            req.gen,
+            str(req.agent),
+            weight=req.w,
         )
+        hit_bytes = rr.hit_bytes
         self.decisions += 1
         dec = self.policy.decide(rr, self.view)
         if dec is None:
             self.waits += 1
             return False
+        # the scheduler's own accounting, as the service does until the next heartbeat
+        account(self.view, rr, dec)
+        req.routed = rr
         pi = self.p_index[dec.prefill_node]
         di = self.d_index[dec.decode_node]
         p, d = self.pre[pi], self.dec[di]
@@ -284,7 +287,6 @@ class Simulator:
             start = d.snic_free_s if d.snic_free_s > now else now
             read_end = start + hit_bytes / self.snic_bw
             d.snic_free_s = read_end
-            d.state.read_pending_bytes += hit_bytes
             d.read_bytes += hit_bytes
             self.read_d += hit_bytes
             send = hit_bytes / self.cnic_bw
@@ -296,16 +298,9 @@ class Simulator:
         else:
             start = p.snic_free_s if p.snic_free_s > now else now
             p.snic_free_s = start + hit_bytes / self.snic_bw
-            p.state.read_pending_bytes += hit_bytes
             p.read_bytes += hit_bytes
             self.read_p += hit_bytes
             req.ready_s = p.snic_free_s
-        new = (req.prompt - req.hit) * w
-        p.state.tokens_queued += new
-        ds = d.state
-        ds.tokens_queued += req.prompt * w
-        ds.requests_running += w
-        ds.buffer_free_bytes -= req.ctx_bytes
         # Start as late as possible without stalling on the load (layer-wise overlap).
         start_ok = req.ready_s - req.compute_s * (layers - 1) / layers
         self.seq += 1
@@ -342,7 +337,10 @@ class Simulator:
     def _prefill_done(self, req: _Req, now: float) -> None:
         p, d = self.pre[req.p], self.dec[req.d]
         w = req.w
-        p.state.tokens_queued -= (req.prompt - req.hit) * w
+        rr = req.routed
+        # The nodes' own counters from here on (the heartbeat's numbers): the prefill node
+        # drops what `account` queued on it, the decode node moves the turn to running.
+        p.state.tokens_queued -= rr.new_tokens
         kvpt = self.cfg.cost.kv_bytes_per_token
         nbytes = (req.prompt - req.hit if req.path_d else req.prompt) * kvpt * w
         s0 = p.cnic_free_s if p.cnic_free_s > now else now
@@ -350,8 +348,8 @@ class Simulator:
         p.cnic_free_s = arrive
         self.cnic_bytes += nbytes
         ds = d.state
-        ds.tokens_queued -= req.prompt * w
-        ds.tokens_running += (req.prompt + req.gen) * w
+        ds.tokens_queued -= rr.prompt_tokens + rr.max_new_tokens
+        ds.tokens_running += rr.prompt_tokens + rr.max_new_tokens
         d.batch += w
         d.batch_kv_bytes += req.ctx_bytes
         step = self.cfg.cost.decode_step_s(d.batch, d.batch_kv_bytes)
@@ -365,9 +363,10 @@ class Simulator:
         d = self.dec[req.d]
         ds = d.state
         w = req.w
-        ds.tokens_running -= (req.prompt + req.gen) * w
-        ds.requests_running -= w
-        ds.buffer_free_bytes += req.ctx_bytes
+        rr = req.routed
+        ds.tokens_running -= rr.prompt_tokens + rr.max_new_tokens
+        ds.requests_running -= 1
+        ds.buffer_free_bytes += rr.context_bytes
         d.batch -= w
         d.batch_kv_bytes -= req.ctx_bytes
         a = req.agent

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.config import ModelSpec
+from dualpath.units import gbps_to_bytes_per_s
 
 # Attended context cap of sparse-attention models (DeepSeek-V3.2 DSA: top-2048 tokens).
 SPARSE_ATTENTION_TOPK: dict[str, int] = {"deepseek-v3.2": 2048}
@@ -54,11 +55,11 @@ class Hardware:
 
     @property
     def snic_bytes_per_s(self) -> float:
-        return self.snic_gbps * 1e9 / 8
+        return gbps_to_bytes_per_s(self.snic_gbps)
 
     @property
     def cnic_kv_bytes_per_s(self) -> float:
-        return self.cnic_gbps * 1e9 / 8 * self.cnic_kv_share
+        return gbps_to_bytes_per_s(self.cnic_gbps) * self.cnic_kv_share
 
     @property
     def node_flops(self) -> float:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dualpath.transfer import metrics
+from dualpath.units import gbps_to_bytes_per_s
 
 if TYPE_CHECKING:
     from dualpath.config import NetworkSpec
@@ -247,7 +248,7 @@ class ComputeLink:
                 raise ValueError(f"weight of traffic class {tc!r} must be > 0, got {w}")
             merged[tc] = w
         self.gbps = float(gbps)
-        self.rate_bytes_per_s = self.gbps * 1e9 / 8  # gigabits -> bytes
+        self.rate_bytes_per_s = gbps_to_bytes_per_s(self.gbps)
         self.weights = merged
         self.quantum_bytes = int(quantum_bytes)
         self.grant_ahead_s = max(0.0, grant_ahead_s)

@@ -68,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     from dualpath.observability import ObservabilityServer
     from dualpath.worker.node import NodeOptions, WorkerNode
 
-    cfg = config.load(args.file) if args.file else config.local_default()
+    cfg = config.load_or_default(args.file)
     role = config.Role(args.role)
     node_id = args.node_id or os.environ.get("POD_NAME") or f"{role.value}-{args.index}"
     opts = NodeOptions(

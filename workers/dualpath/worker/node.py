@@ -25,7 +25,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dualpath.config import ClusterConfig, Role
 from dualpath.grpc_auth import ClusterToken, server_interceptors
 from dualpath.grpc_auth import channel as token_channel
-from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.scheduler.policy.types import NodeLoad
+from dualpath.scheduler.wire import ROLE_TO_PB
+from dualpath.units import gbps_to_bytes_per_s
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
@@ -76,7 +78,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             agent=n.transfer.name,
             metadata=n.transfer.metadata,
             node_id=n.node_id,
-            role=spb.ROLE_PREFILL if n.role is Role.PREFILL else spb.ROLE_DECODE,
+            role=ROLE_TO_PB[n.role.value],
             config_hash=n.cfg.config_hash,
         )
 
@@ -257,7 +259,7 @@ class WorkerNode:
 
         spec = self.cfg.spec
         pool = spec.pool(self.role)
-        snic = spec.storage.snic_gbps * 1e9 / 8 if spec.storage.snic_gbps else 0.0
+        snic = gbps_to_bytes_per_s(spec.storage.snic_gbps) if spec.storage.snic_gbps else 0.0
         reg = Registration(
             node_id=self.node_id,
             role=self.role.value,
@@ -285,7 +287,7 @@ class WorkerNode:
         if self._publisher is not None:
             await self._publisher.flush()
 
-    def load(self) -> spb.NodeLoad:
+    def load(self) -> NodeLoad:
         if self.prefill is not None:
             q, r, n = (
                 self.prefill.load.tokens_queued,
@@ -305,7 +307,7 @@ class WorkerNode:
                 cache.free_pages * cache.page_tokens * self.cfg.spec.model.kv_bytes_per_token
             )
             free = min(free, cache_free)
-        load = spb.NodeLoad(
+        load = NodeLoad(
             read_pending_bytes=self.read_queue.pending_bytes,
             tokens_queued=q,
             tokens_running=r,

@@ -10,12 +10,19 @@ A prefill node pairs only with a decode node of its own config hash (`ClusterVie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dualpath.scheduler.policy.inter_node import config_mismatch, pick_pair
 from dualpath.scheduler.policy.policies import DualPathPolicy, FixedPathPolicy, RoundRobinPolicy
 from dualpath.scheduler.policy.types import (
+    DEFAULT_BUFFER_FREE_BYTES,
+    DEFAULT_CNIC_BYTES_PER_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    DEFAULT_SNIC_BYTES_PER_S,
     ClusterView,
     ConfigPool,
     Decision,
+    NodeLoad,
     NodeState,
     Policy,
     ReadPath,
@@ -23,23 +30,27 @@ from dualpath.scheduler.policy.types import (
     Thresholds,
 )
 
-POLICY_NAMES = ("dualpath", "prefill-read", "decode-read", "round-robin")
+# The one registry of policies: name -> factory. The config model's `PolicyName` (and so the
+# CRD's enum), the CLIs and `get_policy` all read it.
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "dualpath": DualPathPolicy,
+    "prefill-read": lambda: FixedPathPolicy("prefill-read", ReadPath.PREFILL),
+    "decode-read": lambda: FixedPathPolicy("decode-read", ReadPath.DECODE),
+    "round-robin": RoundRobinPolicy,
+}
+POLICY_NAMES = tuple(POLICIES)
 
 
 def get_policy(name: str) -> Policy:
     """A fresh policy instance by name (policies are plain instances, never singletons)."""
-    if name == "dualpath":
-        return DualPathPolicy()
-    if name == "prefill-read":
-        return FixedPathPolicy("prefill-read", ReadPath.PREFILL)
-    if name == "decode-read":
-        return FixedPathPolicy("decode-read", ReadPath.DECODE)
-    if name == "round-robin":
-        return RoundRobinPolicy()
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return factory()
 
 
 def thresholds_from_spec(spec) -> Thresholds:  # spec: dualpath.config.SchedulerSpec
+    """alpha and beta from the cluster spec: the one derivation (scheduler, sim, local)."""
     return Thresholds(
         short_read_queue_s=float(spec.short_read_queue_seconds),
         overloaded_prefill_s=float(spec.overloaded_prefill_seconds),
@@ -64,10 +75,16 @@ def account(view: ClusterView, request: RouteRequest, decision: Decision) -> Non
 
 
 __all__ = [
+    "DEFAULT_BUFFER_FREE_BYTES",
+    "DEFAULT_CNIC_BYTES_PER_S",
+    "DEFAULT_PREFILL_TOKENS_PER_S",
+    "DEFAULT_SNIC_BYTES_PER_S",
+    "POLICIES",
     "POLICY_NAMES",
     "ClusterView",
     "ConfigPool",
     "Decision",
+    "NodeLoad",
     "NodeState",
     "Policy",
     "ReadPath",

@@ -1,8 +1,8 @@
 """The paper's inter-node scheduling (arXiv 2602.21548, DESIGN section 4), as pure functions.
 
-Three choices per request, each over the available nodes (`NodeState.available`, inlined on
-the hot path: healthy, not draining, not held by the scheduler's breaker) and, for the
-pair, of one config hash (`pick_pair`; DESIGN section 9: versions never pair):
+Three choices per request, each over the available nodes (`NodeState.available`: healthy, not
+draining, not held by the scheduler's breaker or a retry's exclusion) and, for the pair, of one
+config hash (`pick_pair`; DESIGN section 9: versions never pair):
 - prefill node: skip overloaded nodes (more than beta seconds of queued prefill tokens); among
   the rest prefer a short read queue (less than alpha seconds of SNIC reading pending); ties by
   fewest tokens. No non-overloaded node: wait (None), the caller re-offers the request.
@@ -69,15 +69,6 @@ def pick_pair(request: RouteRequest, view: ClusterView) -> tuple[NodeState, Node
     return None
 
 
-def pick_prefill(nodes: list[NodeState], t: Thresholds) -> NodeState | None:
-    """The paper's prefill choice over `nodes` (one config pool); None: all overloaded."""
-    beta_s, alpha_s = t.overloaded_prefill_s, t.short_read_queue_s
-    c = _best_prefill(
-        [(n, n.prefill_tokens_per_s * beta_s, n.snic_bytes_per_s * alpha_s) for n in nodes]
-    )
-    return None if c is None else c[0]
-
-
 def _best_prefill(
     limits: list[tuple[NodeState, float, float]],
 ) -> tuple[NodeState, bool, int] | None:
@@ -88,7 +79,7 @@ def _best_prefill(
     long: NodeState | None = None
     long_tok = 0
     for n, max_tok, short_bytes in limits:
-        if not n.healthy or n.draining or n.held:
+        if not n.available:
             continue
         tok = n.tokens_queued + n.tokens_running
         if tok > max_tok:
@@ -128,7 +119,7 @@ def pick_decode(
         cnt = 0
         room = False
         for n in members:
-            if n.healthy and not n.draining and not n.held:
+            if n.available:
                 tok += n.tokens_queued + n.tokens_running
                 cnt += 1
                 room = room or n.buffer_free_bytes >= need
@@ -149,7 +140,7 @@ def _pick_engine(
     room: NodeState | None = None
     room_tok = 0
     for n in engines:
-        if n.buffer_free_bytes < need or not n.healthy or n.draining or n.held:
+        if n.buffer_free_bytes < need or not n.available:
             continue
         tok = n.tokens_queued + n.tokens_running
         if tok + length <= z and (
@@ -174,8 +165,8 @@ def config_mismatch(view: ClusterView) -> tuple[list[str], list[str]] | None:
     pre: list[str] = []
     dec: list[str] = []
     for pool in view.pools():
-        has_p = any(n.healthy and not n.draining and not n.held for n in pool.prefill)
-        has_d = any(n.healthy and not n.draining and not n.held for n in pool.decode)
+        has_p = any(n.available for n in pool.prefill)
+        has_d = any(n.available for n in pool.decode)
         if has_p and has_d:
             return None
         if has_p:
@@ -185,13 +176,6 @@ def config_mismatch(view: ClusterView) -> tuple[list[str], list[str]] | None:
     return (pre, dec) if pre and dec else None
 
 
-def read_finish_s(request: RouteRequest, node: NodeState) -> float:
-    """Seconds until `node`'s read queue has read this request's hit bytes (0: none)."""
-    if request.hit_bytes <= 0:
-        return 0.0
-    return (node.read_pending_bytes + request.hit_bytes) / node.snic_bytes_per_s
-
-
 def path_finish_s(
     request: RouteRequest, prefill: NodeState, decode: NodeState, view: ClusterView
 ) -> tuple[float, float]:
@@ -199,7 +183,7 @@ def path_finish_s(
     hit = request.hit_bytes
     if hit <= 0:
         return 0.0, 0.0
-    # read_finish_s of each side, inlined: this runs once per decision.
+    # each side: seconds until its read queue has read this request's hit bytes
     via_p = (prefill.read_pending_bytes + hit) / prefill.snic_bytes_per_s
     via_d = (decode.read_pending_bytes + hit) / decode.snic_bytes_per_s
     cnic = view.cnic_bytes_per_s

@@ -65,15 +65,10 @@ class RoundRobinPolicy:
             ds = [
                 n
                 for n in pool.decode
-                if n.healthy
-                and not n.draining
-                and not n.held
-                and n.buffer_free_bytes >= request.context_bytes
+                if n.available and n.buffer_free_bytes >= request.context_bytes
             ]
             if ds:
-                pairs.extend(
-                    (n, ds) for n in pool.prefill if n.healthy and not n.draining and not n.held
-                )
+                pairs.extend((n, ds) for n in pool.prefill if n.available)
         if not pairs:
             return None
         k = self._n

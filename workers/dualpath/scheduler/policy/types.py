@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
+# What the scheduler assumes of a node or a cluster that does not say (a registration without
+# the field, a view without a configured CNIC). One definition: NodeState, ClusterView, the
+# gRPC service (`scheduler.wire`) and the scheduler CLI read these.
+DEFAULT_SNIC_BYTES_PER_S = 1.0e9
+DEFAULT_CNIC_BYTES_PER_S = 25.0e9
+DEFAULT_BUFFER_FREE_BYTES = 1 << 40
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+
 
 class ReadPath(str, Enum):
     """Which node's storage NIC reads the request's hit KV blocks."""
@@ -18,6 +26,31 @@ class ReadPath(str, Enum):
     DECODE = "decode"  # path D: the decode node reads, then streams layer-wise to prefill
 
 
+def _tracks_availability(cls: type) -> type:
+    """`healthy`, `draining` and `held` become properties over their slots whose setters keep
+    `available` (a plain slot: the policies read it for every node of every decision, and a
+    computed property would cost them about 3x) equal to healthy and not draining and not held.
+    """
+    available = cls.__dict__["available"]
+    healthy, draining, held = (cls.__dict__[n] for n in ("healthy", "draining", "held"))
+
+    def flag(slot):  # noqa: ANN001, ANN202 (a slot's member descriptor)
+        def fset(self, value) -> None:  # noqa: ANN001
+            slot.__set__(self, value)
+            try:
+                ok = healthy.__get__(self) and not draining.__get__(self) and not held.__get__(self)
+            except AttributeError:
+                return  # __init__ has not set them all yet: the last one will
+            available.__set__(self, ok)
+
+        return property(slot.__get__, fset)
+
+    for name, slot in (("healthy", healthy), ("draining", draining), ("held", held)):
+        setattr(cls, name, flag(slot))
+    return cls
+
+
+@_tracks_availability
 @dataclass(slots=True)
 class NodeState:
     """What the scheduler knows of one worker node, refreshed by its heartbeats."""
@@ -26,20 +59,23 @@ class NodeState:
     role: str  # "prefill" | "decode"
     # Read queue (the node's SNIC): bytes admitted but not yet read, and its bandwidth.
     read_pending_bytes: int = 0
-    snic_bytes_per_s: float = 1.0e9
+    snic_bytes_per_s: float = DEFAULT_SNIC_BYTES_PER_S
     # Load indicator: tokens waiting and in flight on this node.
     tokens_queued: int = 0
     tokens_running: int = 0
     requests_running: int = 0
     # KV host/device buffer space left (decode: holds whole contexts; path D stages here).
-    buffer_free_bytes: int = 1 << 40
+    buffer_free_bytes: int = DEFAULT_BUFFER_FREE_BYTES
     # Prefill throughput of this node (tokens/s); the overload threshold is seconds of it.
-    prefill_tokens_per_s: float = 10_000.0
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     # Decode engines are grouped (e.g. one group per decode pod set); phase 1 picks a group.
     group: str = "default"
     # Hash of the node's rendered config: prefill and decode nodes pair only within one hash,
     # so a rollout never mixes versions (DESIGN section 9). "" (local runs) pairs with "".
     config_hash: str = ""
+    # The one filter before the policy: healthy, not draining, not held. Every policy choice
+    # skips a node for which it is False. Kept by the setters of the three flags below.
+    available: bool = field(default=True, init=False, compare=False)
     healthy: bool = True
     draining: bool = False
     # Kept out of routing by the scheduler's state: its circuit breaker is open (failed
@@ -51,8 +87,27 @@ class NodeState:
         return self.tokens_queued + self.tokens_running
 
     @property
-    def available(self) -> bool:
-        return self.healthy and not self.draining and not self.held
+    def load(self) -> NodeLoad:
+        return NodeLoad(
+            self.read_pending_bytes,
+            self.tokens_queued,
+            self.tokens_running,
+            self.requests_running,
+            self.buffer_free_bytes,
+            self.draining,
+        )
+
+
+class NodeLoad(NamedTuple):
+    """A worker's load as it reports it (Register, every Heartbeat) and ClusterView shows it;
+    `scheduler.wire` converts it to and from the proto `NodeLoad`."""
+
+    read_pending_bytes: int = 0
+    tokens_queued: int = 0
+    tokens_running: int = 0
+    requests_running: int = 0
+    buffer_free_bytes: int = 0
+    draining: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,7 +140,7 @@ class ClusterView:
     decode: list[NodeState]
     thresholds: Thresholds = field(default_factory=Thresholds)
     # Path D's extra hop: decode buffer -> prefill over the compute NIC (kv traffic class).
-    cnic_bytes_per_s: float = 25.0e9
+    cnic_bytes_per_s: float = DEFAULT_CNIC_BYTES_PER_S
     # Order in which config hashes were first registered (higher: newer); equal loads go to the
     # newest hash. Hashes missing here rank by their first appearance in prefill + decode.
     config_hash_seq: dict[str, int] = field(default_factory=dict)
@@ -149,15 +204,43 @@ def _build_pools(
 
 @dataclass(slots=True)
 class RouteRequest:
-    """One agent turn as the scheduler sees it."""
+    """One agent turn as the scheduler sees it. Build it with `RouteRequest.for_turn`, the one
+    place that turns tokens into bytes (the service, the frontend and the simulator do)."""
 
     request_id: str
     prompt_tokens: int  # whole context of this turn
     hit_tokens: int  # prefix already in storage (whole blocks)
     hit_bytes: int  # bytes of those blocks to read (all layers)
-    context_bytes: int = 0  # KV bytes of the whole context on the decode node after prefill
+    # KV bytes of the whole prompt: what the decode node holds after prefill (the wire's
+    # `RouteRequest.context_bytes` means the same; generated tokens are not in it).
+    context_bytes: int = 0
     max_new_tokens: int = 0
     session_id: str = ""
+
+    @classmethod
+    def for_turn(
+        cls,
+        request_id: str,
+        prompt_tokens: int,
+        hit_tokens: int,
+        kv_bytes_per_token: int,
+        max_new_tokens: int = 0,
+        session_id: str = "",
+        weight: int = 1,
+    ) -> RouteRequest:
+        """A turn of `prompt_tokens` (of which `hit_tokens` are in storage) that may generate
+        `max_new_tokens`. `weight` > 1: the turn stands for that many identical turns (the
+        simulator's agent groups), so every token and byte count is scaled by it."""
+        prompt, hit = prompt_tokens * weight, hit_tokens * weight
+        return cls(
+            request_id,
+            prompt,
+            hit,
+            hit * kv_bytes_per_token,
+            prompt * kv_bytes_per_token,
+            max_new_tokens * weight,
+            session_id,
+        )
 
     @property
     def new_tokens(self) -> int:

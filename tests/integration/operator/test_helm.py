@@ -6,9 +6,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from dualpath import config
+from dualpath_operator.builders import render
+
+OWNER = {"name": "agents", "uid": "u"}
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "dualpath"
+EXAMPLE = ROOT / "examples" / "dualpathcluster.yaml"
 
 
 def helm(tools, *args):
@@ -49,23 +54,23 @@ def test_namespaced_install_binds_only_the_watched_namespaces(tools):
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["a", "b"]
 
 
+def refused(tools, *args) -> str:
+    """helm's error output for a command that must fail."""
+    res = subprocess.run([str(tools / "helm"), *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    return res.stderr
+
+
 def test_values_schema_refuses_bad_values(tools):
-    res = subprocess.run(
-        [str(tools / "helm"), "template", "rel", str(CHART), "--set", "image.pullPolicy=Sometimes"],
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode != 0 and "pullPolicy" in res.stderr
+    err = refused(tools, "template", "rel", str(CHART), "--set", "image.pullPolicy=Sometimes")
+    assert "pullPolicy" in err
 
 
 def test_one_operator_replica_only(tools):
     """No leader election: more than one replica would have two operators writing."""
-    res = subprocess.run(
-        [str(tools / "helm"), "template", "rel", str(CHART), "--set", "replicaCount=2"],
-        capture_output=True,
-        text=True,
+    assert "replicaCount" in refused(
+        tools, "template", "rel", str(CHART), "--set", "replicaCount=2"
     )
-    assert res.returncode != 0 and "replicaCount" in res.stderr
     out = helm(tools, "template", "rel", str(CHART))
     dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
@@ -104,3 +109,42 @@ def test_notes_give_a_crd_upgrade_that_works_after_helm_install():
     assert "<your-mirror>" not in notes and "https://" not in notes
     assert "kubectl apply --server-side --force-conflicts" in notes
     assert "dualpathpool/<name>-decode" in notes
+
+
+def _frontend_cluster() -> config.ClusterConfig:
+    base = config.load(EXAMPLE)
+    spec = base.to_resource()["spec"]
+    spec["frontend"] = {**spec.get("frontend", {}), "replicas": 1}
+    return config.ClusterConfig(name="agents", namespace="default", spec=config.parse_spec(spec))
+
+
+def _plural(kind: str) -> str:
+    low = kind.lower()
+    return low[:-1] + "ies" if low.endswith("y") else low + "s"
+
+
+def test_the_operators_rbac_covers_every_kind_it_renders(tools):
+    out = helm(tools, "template", "rel", str(CHART))
+    (role,) = [
+        d
+        for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-discovery")
+    ]
+    cfg = _frontend_cluster()
+    for obj in render(cfg, OWNER):
+        group = obj["apiVersion"].rpartition("/")[0]
+        plural = _plural(obj["kind"])
+        verbs = {
+            v
+            for r in role["rules"]
+            if group in r["apiGroups"] and plural in r["resources"]
+            for v in r["verbs"]
+        }
+        assert {"get", "create", "patch"} <= verbs, (group, plural, verbs)
+    netpol = {
+        v
+        for r in role["rules"]
+        if "networking.k8s.io" in r["apiGroups"] and "networkpolicies" in r["resources"]
+        for v in r["verbs"]
+    }
+    assert "delete" in netpol  # a switched-off policy is removed
