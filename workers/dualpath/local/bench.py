@@ -110,9 +110,7 @@ def calibrate_snic(
     with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
         prefill_s = statistics.median(asyncio.run(timed()))
     gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
-    cal = SnicCalibration(
-        hit, new, hit_bytes, round(prefill_s, 4), samples, read_to_compute, round(gbps, 4)
-    )
+    cal = SnicCalibration(hit, new, hit_bytes, prefill_s, samples, read_to_compute, gbps)
     log.info(
         "SNIC cap %.3f Gbps: the median turn (%d hit + %d new tokens) prefills in %.3f s here, "
         "its %.1f MB hit reads in %.1fx that",
