@@ -36,7 +36,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # `Turn.prompt_tokens` / `Turn.hit_tokens` unset: derived by the growth model.
@@ -471,3 +471,41 @@ def describe(trajectories: list[Trajectory], block_tokens: int = 64) -> dict[str
         "total_prompt_tokens": prompt_sum,
         "total_output_tokens": int(sum(gens)),
     }
+
+
+def cap_think(tr: Trajectory, cap_s: float, root: bool = True) -> Trajectory:
+    """`tr` with every think time, and its subagents' start delays, at most `cap_s`."""
+    return replace(
+        tr,
+        turns=[t if t.think_s <= cap_s else replace(t, think_s=cap_s) for t in tr.turns],
+        start_s=tr.start_s if root else min(tr.start_s, cap_s),
+        subagents=[cap_think(s, cap_s, root=False) for s in tr.subagents],
+    )
+
+
+def replay(
+    recorded: list[Trajectory],
+    count: int,
+    arrival_rate_per_s: float = 0.0,
+    seed: int | None = None,
+) -> list[Trajectory]:
+    """`count` sessions drawn from a recorded trace, cycling it (in order, or shuffled by
+    `seed`); all start at 0 (offline), or as a Poisson process of `arrival_rate_per_s`
+    (online, seeded by `seed` or 0). A session's recorded start time is not kept: the mode
+    decides when sessions start."""
+    if not recorded:
+        raise ValueError("replay: the recorded trace has no sessions")
+    order = list(range(len(recorded)))
+    if seed is not None:
+        random.Random(f"{seed}:order").shuffle(order)
+    arrivals = random.Random(f"{seed or 0}:arrivals")
+    out: list[Trajectory] = []
+    t = 0.0
+    n = len(recorded)
+    for i in range(count):
+        if arrival_rate_per_s > 0:
+            t += arrivals.expovariate(arrival_rate_per_s)
+        src = recorded[order[i % n]]
+        aid = src.agent_id if i < n else f"{src.agent_id}#{i // n}"
+        out.append(replace(src, agent_id=aid, start_s=round(t, 6)))
+    return out
