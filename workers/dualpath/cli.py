@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "start a local cluster (scheduler, workers, frontend) as processes",
     ),
     "sim": ("dualpath.sim.cli", "cluster-scale discrete-event simulation of the policies"),
+    "trace": ("dualpath.trace_cli", "import real traces (claude-code, mooncake); print stats"),
+    "plan": ("dualpath.sim.plan", "size P:D from a trace with the simulator, per policy"),
     "render": ("dualpath_operator.render_cli", "print the manifests a DualPathCluster turns into"),
     "operator": ("dualpath_operator.main", "run the kopf operator"),
     "scheduler": ("dualpath.scheduler.cli", "run the gRPC scheduler service"),
