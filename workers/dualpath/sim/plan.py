@@ -66,6 +66,8 @@ class Point:
     refused: int
     truncated: int
     wall_s: float
+    # Binding resource of the lightest load that missed the SLO: what runs out first.
+    overload_binding: str = ""
 
     def row(self) -> dict[str, Any]:
         return {
@@ -83,6 +85,7 @@ class Point:
             "path_d_fraction": round(self.path_d_fraction, 4),
             "refused_turns": self.refused,
             "truncated_turns": self.truncated,
+            "overload_binding": self.overload_binding,
             "wall_s": round(self.wall_s, 2),
         }
 
@@ -188,11 +191,12 @@ class Planner:
         best: Point | None = None
         first: Point | None = None
         fail: int | None = None
+        missed: Point | None = None
         for s in self.loads(prefill + decode):
             pt = self.run(policy, prefill, decode, s)
             first = first or pt
             if not pt.meets_slo:
-                fail = s
+                fail, missed = s, pt
                 break
             if best is not None and pt.tokens_per_s < best.tokens_per_s * 1.01:
                 best = pt if pt.tokens_per_s > best.tokens_per_s else best
@@ -210,8 +214,11 @@ class Planner:
                     if pt.tokens_per_s > best.tokens_per_s:
                         best = pt
                 else:
-                    hi = mid
-        return best or first  # type: ignore[return-value]
+                    hi, missed = mid, pt
+        out = best or first
+        if out is not None and missed is not None:
+            out.overload_binding = missed.binding
+        return out  # type: ignore[return-value]
 
     def best_split(self, policy: str, nodes: int) -> tuple[Point, dict[int, Point]]:
         """Coarse-to-fine search of P in 1..nodes-1 for the highest goodput."""
@@ -451,7 +458,7 @@ def table(result: dict[str, Any]) -> str:
         f"SLO TTFT p90 <= {result['slo']['ttft_p90_s']} s, TPOT p90 <= "
         f"{result['slo']['tpot_p90_s']} s)",
         f"{'policy':<13} {'P:D':>6} {'sessions':>8} {'tokens/s':>10} {'TTFT p90':>9} "
-        f"{'TPOT p90':>9} {'SLO att':>8} {'path D':>7}  binding",
+        f"{'TPOT p90':>9} {'SLO att':>8} {'path D':>7}  binding (at the next load: SLO missed)",
     ]
     for pol, rows in result["splits"].items():
         best = result["best"][pol]
@@ -461,7 +468,8 @@ def table(result: dict[str, Any]) -> str:
                 f"{pol:<13} {r['prefill']:>2}:{r['decode']:<3}{mark} {r['sessions']:>7} "
                 f"{r['tokens_per_s']:>10,.0f} {_s(r['ttft_p90_s']):>9} {_s(r['tpot_p90_s']):>9} "
                 f"{r['slo_attainment']:>8.3f} {r['path_d_fraction']:>7.2f}  {r['binding']}"
-                + ("" if r["meets_slo"] else "  (SLO missed)")
+                + (f" ({r['overload_binding']})" if r["overload_binding"] else "")
+                + ("" if r["meets_slo"] else "  SLO missed at every load")
             )
     lines.append("best per policy (*):")
     for pol, r in result["best"].items():
@@ -469,7 +477,8 @@ def table(result: dict[str, Any]) -> str:
         top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(u.items(), key=lambda kv: -kv[1])[:3])
         lines.append(
             f"  {pol}: {r['prefill']}P:{r['decode']}D, {r['tokens_per_s']:,.0f} tokens/s, TTFT p90 "
-            f"{_s(r['ttft_p90_s'])} s, binding {r['binding']} ({top})"
+            f"{_s(r['ttft_p90_s'])} s, binding {r['binding']} ({top}); "
+            f"more load runs out of {r['overload_binding'] or '-'}"
         )
     if "dualpath_over_baseline" in result:
         lines.append(
