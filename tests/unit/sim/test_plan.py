@@ -95,6 +95,17 @@ def test_plan_cli_prints_table_json_plot_and_spec(tmp_path, capsys) -> None:
     assert "best per policy" in text and "dualpath / prefill-read" in text
 
 
+def test_plan_evaluates_given_splits(tmp_path, capsys) -> None:
+    path = tmp_path / "t.jsonl"
+    trace.save_jsonl(path, _sessions())
+    argv = ["plan", "--trace", str(path), "--splits", "1:1,1:2", "--sessions", "8", "--json"]
+    assert main([*argv, "--horizon", "30", "--policies", "dualpath", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["splits"]["dualpath"]
+    assert [(r["prefill"], r["decode"]) for r in rows] == [(1, 1), (1, 2)]
+    assert out["nodes"] is None and out["best"]["dualpath"] in rows
+
+
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
@@ -102,6 +113,7 @@ def test_plan_cli_prints_table_json_plot_and_spec(tmp_path, capsys) -> None:
         (["--policies", "nope"], "--policies"),
         (["--ttft-slo", "0"], "--ttft-slo"),
         (["--sessions", "0"], "--sessions"),
+        (["--splits", "2-4"], "--splits"),
     ],
 )
 def test_plan_refuses_bad_options_by_name(tmp_path, capsys, extra, flag) -> None:

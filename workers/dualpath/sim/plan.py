@@ -275,6 +275,9 @@ def _num(x: float) -> float | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, metavar="JSONL", help="dualpath trace file")
     parser.add_argument("--nodes", type=int, default=12, help="node budget to split (default 12)")
+    parser.add_argument(
+        "--splits", help="evaluate only these P:D splits instead, e.g. 2:4,1:4,1:8 (any sizes)"
+    )
     parser.add_argument("--model", default="deepseek-v3.2", help="model preset")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per GPU (GB)")
@@ -307,6 +310,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="goodput and TTFT p90 per P, per policy")
     parser.add_argument("--emit-spec", metavar="YAML", help="write the recommended cluster spec")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _splits(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        try:
+            p, d = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"--splits: {part!r} is not P:D (e.g. 2:4)") from None
+        if p < 1 or d < 1:
+            raise ValueError(f"--splits: {part!r}: P and D must be >= 1")
+        out.append((p, d))
+    return out
 
 
 def _refuse(msg: str) -> int:
@@ -345,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = ModelSpec(preset=args.model)
         ladder = tuple(int(s) for s in args.sessions.split(",")) if args.sessions else ()
+        splits = _splits(args.splits) if args.splits else []
         if any(s < 1 for s in ladder):
             raise ValueError("--sessions: give positive session counts")
         meta, recorded = trace.load_trace(args.trace)
@@ -381,9 +398,14 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     best: dict[str, Point] = {}
-    per_split: dict[str, dict[int, Point]] = {}
+    per_split: dict[str, list[Point]] = {}
     for pol in policies:
-        best[pol], per_split[pol] = planner.best_split(pol, args.nodes)
+        if splits:
+            per_split[pol] = [planner.goodput(pol, p, d) for p, d in splits]
+            best[pol] = max(per_split[pol], key=_rank)
+        else:
+            best[pol], tried = planner.best_split(pol, args.nodes)
+            per_split[pol] = [tried[p] for p in sorted(tried)]
     result = _result(args, meta, model, hw, planner, best, per_split)
     if args.target_tokens_per_s:
         result["target"] = {"tokens_per_s": args.target_tokens_per_s}
@@ -420,13 +442,13 @@ def _result(
     hw: Hardware,
     planner: Planner,
     best: dict[str, Point],
-    per_split: dict[str, dict[int, Point]],
+    per_split: dict[str, list[Point]],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trace": meta.get("name") or args.trace,
         "sessions_in_trace": len(planner.recorded),
         "model": model.name,
-        "nodes": args.nodes,
+        "nodes": args.nodes if not args.splits else None,
         "hardware": {
             "gpus_per_node": hw.gpus_per_node,
             "hbm_gb_per_gpu": args.hbm_gb,
@@ -441,9 +463,7 @@ def _result(
         "context_rule": planner.context_rule,
         "think_cap_s": args.think_cap,
         "best": {pol: pt.row() for pol, pt in best.items()},
-        "splits": {
-            pol: [tried[p].row() for p in sorted(tried)] for pol, tried in per_split.items()
-        },
+        "splits": {pol: [pt.row() for pt in pts] for pol, pts in per_split.items()},
     }
     if "dualpath" in best and BASELINE in best and best[BASELINE].tokens_per_s:
         out["dualpath_over_baseline"] = round(
@@ -453,8 +473,9 @@ def _result(
 
 
 def table(result: dict[str, Any]) -> str:
+    where = f"{result['nodes']} nodes" if result["nodes"] else "the given splits"
     lines = [
-        f"plan for {result['trace']} on {result['nodes']} nodes ({result['model']}, "
+        f"plan for {result['trace']} on {where} ({result['model']}, "
         f"SLO TTFT p90 <= {result['slo']['ttft_p90_s']} s, TPOT p90 <= "
         f"{result['slo']['tpot_p90_s']} s)",
         f"{'policy':<13} {'P:D':>6} {'sessions':>8} {'tokens/s':>10} {'TTFT p90':>9} "
@@ -520,7 +541,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax1.annotate(f"{b['prefill']}:{b['decode']}", (b["prefill"], b["tokens_per_s"]))
     ax2.axhline(result["slo"]["ttft_p90_s"], color="grey", linestyle="--", label="SLO")
     for ax in (ax1, ax2):
-        ax.set_xlabel(f"prefill nodes (of {result['nodes']})")
+        ax.set_xlabel(f"prefill nodes (of {result['nodes'] or 'P + D'})")
         ax.grid(alpha=0.3)
         ax.legend()
     ax1.set_ylabel("steady tokens/s at the highest load meeting the SLO")
