@@ -509,3 +509,31 @@ def replay(
         aid = src.agent_id if i < n else f"{src.agent_id}#{i // n}"
         out.append(replace(src, agent_id=aid, start_s=round(t, 6)))
     return out
+
+
+def scale_to_context(
+    recorded: list[Trajectory], context_tokens: int, sessions: int, turns: int
+) -> list[Trajectory]:
+    """The first `sessions` sessions' first `turns` turns (subagents dropped), every length
+    multiplied by one factor so the longest prompt + output fits `context_tokens`: prompts,
+    hits and outputs keep their proportions (partial hits stay partial), think times are
+    kept. For replaying a real trace on a small model (`dualpath bench local --trace`)."""
+    if context_tokens < 16 or sessions < 1 or turns < 1:
+        raise ValueError("scale_to_context: context_tokens >= 16, sessions >= 1, turns >= 1")
+    picked = [replace(t, turns=t.turns[:turns], subagents=[]) for t in recorded[:sessions]]
+    longest = max(
+        (p + t.gen_tokens for _, _, t, p, _ in iter_turns(picked)), default=context_tokens
+    )
+    f = min(1.0, (context_tokens - 1) / longest)
+    out = []
+    for tr in picked:
+        ctx = 0
+        new_turns = []
+        for i, (_, _, t, prompt, hit) in enumerate(iter_turns([tr])):
+            p = max(2, int(prompt * f))
+            g = max(1, int(t.gen_tokens * f))
+            h = min(int(hit * f), p - 1)
+            new_turns.append(Turn(p - ctx, g, t.think_s if i else 0.0, p, h))
+            ctx = p + g
+        out.append(Trajectory(tr.agent_id, new_turns, 0, tr.start_s))
+    return out

@@ -175,3 +175,23 @@ def test_trace_import_and_stats_cli(tmp_path, capsys) -> None:
 def test_stats_refuses_a_missing_path(capsys) -> None:
     assert main(["trace", "stats", "/nonexistent/x.jsonl"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_scale_to_context_keeps_proportions_and_partial_hits() -> None:
+    tr, _ = claude_code_session(
+        {
+            "requests": [
+                _req(0, 64_000, 640, list(range(1000))),
+                _req(1, 128_000, 1280, list(range(2000)), think=5.0),
+                _req(2, 32_000, 320, [0, 1, 2, 3] + [9000 + i for i in range(496)], think=7.0),
+            ]
+        },
+        "big",
+    )
+    (small,) = trace.scale_to_context([tr, tr], 8192, sessions=1, turns=3)
+    prompts = [t.prompt_tokens for t in small.turns]
+    assert max(p + t.gen_tokens for p, t in zip(prompts, small.turns, strict=True)) <= 8192
+    assert prompts[1] == pytest.approx(2 * prompts[0], rel=0.01)
+    assert small.turns[2].hit_tokens < small.turns[2].prompt_tokens // 4  # still partial
+    assert [t.think_s for t in small.turns] == [0.0, 5.0, 7.0]
+    assert small.prompt_tokens(2) == prompts[2]

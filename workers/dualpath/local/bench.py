@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first turns of each agent run before the clock starts (cold context)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trace",
+        help="replay an imported trace (`dualpath trace import`): its first --agents sessions' "
+        "first --turns turns, lengths scaled by one factor to fit --context",
+    )
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
 
 
@@ -188,7 +193,11 @@ async def replay(
                 await warm.wait()
             if i and think_scale > 0 and turn.think_s > 0:
                 await asyncio.sleep(turn.think_s * think_scale)
-            history += _tokens(rng, turn.append_tokens, vocab)
+            if turn.prompt_tokens >= 0:  # recorded (--trace): keep its hit, fill to its prompt
+                keep = min(len(history), turn.hit(len(history), turn.prompt_tokens))
+                history = history[:keep] + _tokens(rng, turn.prompt_tokens - keep, vocab)
+            else:
+                history += _tokens(rng, turn.append_tokens, vocab)
             body = {
                 "model": model,
                 "prompt": history,
@@ -489,6 +498,12 @@ def run(args: argparse.Namespace) -> int:
         length_sigma=0.3,
     )
     trajectories = generate(spec)
+    if args.trace:
+        from dualpath.trace import load_jsonl, scale_to_context
+
+        trajectories = scale_to_context(
+            load_jsonl(args.trace), args.context, args.agents, args.turns
+        )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.log_file or Path(args.out) / "cluster.log")
     out: list[PolicyResult] = []
