@@ -530,7 +530,9 @@ def run(args: argparse.Namespace) -> int:
             "decode": cfg.spec.decode.replicas,
             "snic_gbps": cfg.spec.storage.snic_gbps,
             "model": cfg.spec.model.name,
-            "trace": asdict(spec),
+            "trace": asdict(spec)
+            if not args.trace
+            else {"file": args.trace, "scaled_to": args.context},
         },
         "policies": {r.policy: asdict(r) for r in out},
     }
