@@ -121,3 +121,22 @@ def test_plan_refuses_bad_options_by_name(tmp_path, capsys, extra, flag) -> None
     trace.save_jsonl(path, _sessions()[:2])
     assert main(["plan", "--trace", str(path), "--quiet", *extra]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_node_count_for_a_target_is_the_fewest_that_reach_it() -> None:
+    pl = Planner(
+        _sessions(),
+        ModelSpec(preset="deepseek-v3.2"),
+        Hardware(),
+        Slo(ttft_p90_s=10.0, tpot_p90_s=0.5),
+        horizon_s=30.0,
+        warmup_s=5.0,
+        ladder=(16,),
+        refine=0,
+    )
+    small = pl.goodput("dualpath", 1, 1)
+    assert small.meets_slo
+    # A target the 2-node cluster reaches needs 2 nodes; one far above any cluster: None.
+    pt = pl.nodes_for("dualpath", 0.5, small.tokens_per_s * 0.9, max_nodes=4)
+    assert pt is not None and pt.prefill + pt.decode == 2
+    assert pl.nodes_for("dualpath", 0.5, 1e12, max_nodes=3) is None
