@@ -537,3 +537,40 @@ def scale_to_context(
             ctx = p + g
         out.append(Trajectory(tr.agent_id, new_turns, 0, tr.start_s))
     return out
+
+
+def stagger(trajectories: list[Trajectory], first: int, spread_s: float) -> list[Trajectory]:
+    """The first `first` trajectories starting evenly over [0, spread_s) instead of all at 0
+    (a steady-state run ramps up over its warm-up instead of sending every session's first,
+    most expensive, prompt at once); the rest unchanged."""
+    if first <= 0 or spread_s <= 0:
+        return trajectories
+    return [
+        replace(t, start_s=round(spread_s * i / first, 6)) if i < first else t
+        for i, t in enumerate(trajectories)
+    ]
+
+
+def join_midway(
+    trajectories: list[Trajectory], first: int, seed: int | None = None, block_tokens: int = 64
+) -> list[Trajectory]:
+    """The first `first` trajectories joined at a random turn (seeded), as if they had been
+    running before the clock started: the turn keeps its prompt and its hit (recorded, or the
+    full blocks of the context before it), earlier turns and the subagents they spawned are
+    dropped. A steady-state run then sees every phase of a session from the start, not only
+    the first (most expensive) prompts; the rest are unchanged (they start from turn 0)."""
+    rng = random.Random(f"{seed or 0}:midway")
+    out = []
+    for i, tr in enumerate(trajectories):
+        if i >= first or len(tr.turns) < 2:
+            out.append(tr)
+            continue
+        k = rng.randrange(len(tr.turns))
+        if k == 0:
+            out.append(tr)
+            continue
+        _, _, t, prompt, hit = list(iter_turns([replace(tr, subagents=[])], block_tokens))[k]
+        head = Turn(prompt, t.gen_tokens, 0.0, prompt, hit)
+        subs = [replace(s, after_turn=s.after_turn - k) for s in tr.subagents if s.after_turn >= k]
+        out.append(replace(tr, turns=[head, *tr.turns[k + 1 :]], first_tokens=0, subagents=subs))
+    return out

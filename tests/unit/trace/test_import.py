@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from dualpath import trace
 from dualpath.cli import main
+from dualpath.trace import Trajectory, Turn
 from dualpath.trace_import import (
     claude_code_session,
     import_claude_code,
@@ -195,3 +196,27 @@ def test_scale_to_context_keeps_proportions_and_partial_hits() -> None:
     assert small.turns[2].hit_tokens < small.turns[2].prompt_tokens // 4  # still partial
     assert [t.think_s for t in small.turns] == [0.0, 5.0, 7.0]
     assert small.prompt_tokens(2) == prompts[2]
+
+
+def test_join_midway_keeps_the_turns_prompt_and_hit_and_drops_what_came_before() -> None:
+    grown = trace.generate(trace.TraceSpec(agents=6, max_turns=10, seed=4))
+    joined = trace.join_midway(grown, 4, seed=1)
+    assert joined[4:] == grown[4:]
+    moved = [(g, j) for g, j in zip(grown[:4], joined[:4], strict=True) if j != g]
+    assert moved
+    for g, j in moved:
+        k = len(g.turns) - len(j.turns)
+        head = j.turns[0]
+        assert head.prompt_tokens == g.prompt_tokens(k)
+        ctx = g.prompt_tokens(k - 1) + g.turns[k - 1].gen_tokens
+        assert head.hit_tokens == (ctx // 64) * 64 and j.turns[1:] == g.turns[k + 1 :]
+        assert j.final_context_tokens == g.final_context_tokens
+    child = Trajectory("c", [Turn(10, 1)], after_turn=3)
+    rec = Trajectory(
+        "r", [Turn(1000, 5, 0.0, 1000, 64 * i) for i in range(1, 7)], subagents=[child]
+    )
+    for seed in range(20):
+        (j,) = trace.join_midway([rec], 1, seed=seed)
+        k = 6 - len(j.turns)
+        assert j.turns[0].hit_tokens == 64 * (k + 1)
+        assert [s.after_turn for s in j.subagents] == ([3 - k] if k <= 3 else [])

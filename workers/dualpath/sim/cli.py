@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steady",
         action="store_true",
-        help="offline: also measure the steady state: x sessions at once, a finished session's "
-        "slot starts the next (recycled) until the horizon (default 1800 s), warm-up excluded",
+        help="offline: also measure the steady state: x sessions at once (joined at a random "
+        "turn, starts spread over the warm-up), a finished session's slot starts the next "
+        "(recycled) until the horizon (default 1800 s), warm-up excluded",
     )
     parser.add_argument("--warmup", type=float, help="seconds excluded from steady-state stats")
     parser.add_argument(
@@ -397,9 +398,13 @@ def run_preset(setup: _Setup, policies: list[str]) -> dict[str, Any]:
             if setup.steady:
                 slots = max(1, agents // group)
                 pool = len(setup.recorded) if setup.recorded is not None else slots
-                steady_trs = setup.trajectories(max(slots, pool))
                 h = setup.steady_horizon
                 w = setup.warmup if setup.warmup is not None else h / 4
+                steady_trs = setup.trajectories(max(slots, pool))
+                steady_trs = trace.join_midway(
+                    steady_trs, slots, setup.seed, setup.model.block_tokens
+                )
+                steady_trs = trace.stagger(steady_trs, slots, w)
                 steady_cfg = setup.config(
                     setup.prefill, setup.decode, h, w, group, steady_trs, slots, recycle=True
                 )

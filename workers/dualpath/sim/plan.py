@@ -6,7 +6,9 @@
 
 For each policy (prefill-read, the baseline, and dualpath) and each P:D split of `--nodes`, the
 simulator (`dualpath.sim`, the scheduler's own policies) runs the trace in steady state: S
-sessions at once, a finished session's slot starting the next, warm-up excluded. S climbs a
+sessions at once (joined at a random turn of theirs, as if already running, their starts
+spread over the warm-up), a finished session's slot starting the next from its first turn,
+warm-up excluded. S climbs a
 ladder (doubling) while the SLO holds (TTFT p90 <= --ttft-slo and TPOT p90 <= --tpot-slo);
 a split's goodput is the tokens/s at its highest load that meets the SLO. Splits are searched
 coarse to fine (a grid of P, then the neighbours of the best) since goodput is unimodal in P.
@@ -128,6 +130,8 @@ class Planner:
         group = max(1, math.ceil(sessions / MAX_SIMULATED_AGENTS))
         slots = max(1, sessions // group)
         trs = trace.replay(self.recorded, max(slots, len(self.recorded)), 0.0, self.seed)
+        trs = trace.join_midway(trs, slots, self.seed, self.model.block_tokens)
+        trs = trace.stagger(trs, slots, self.warmup_s)
         cfg = SimConfig(
             prefill_nodes=prefill,
             decode_nodes=decode,
