@@ -139,6 +139,7 @@ def test_context_limit_rule_is_reported(capsys, recorded) -> None:
         (["--preset", "tiny", "--ttft-sla", "3"], "--ttft-sla"),
         (["--preset", "tiny", "--warmup", "3"], "--warmup"),
         (["--preset", "online", "--steady"], "--steady"),
+        (["--preset", "tiny", "--steady", "--sla-percentile", "99"], "--sla-percentile"),
         (["--preset", "tiny", "--xs", "0"], "--xs"),
         (["--preset", "tiny", "--xs", "a,b"], "--xs"),
         (["--preset", "scale", "--prefill", "2"], "--prefill"),

@@ -324,12 +324,13 @@ def _check_options(args: argparse.Namespace, p: Preset) -> None:
         )
     if args.steady and p.mode != "offline":
         raise Refused(f"--steady: the {p.mode} preset already measures the steady state")
+    if args.sla_percentile is not None and p.mode != "online":
+        raise Refused("--sla-percentile: only the online preset searches a rate under the SLA")
     offline_only = p.mode == "offline" and not args.steady
     for flag, value in (
         ("--warmup", args.warmup),
         ("--ttft-sla", args.ttft_sla),
         ("--tpot-sla", args.tpot_sla),
-        ("--sla-percentile", args.sla_percentile),
     ):
         if value is not None and offline_only:
             raise Refused(f"{flag}: offline completion has no warm-up or SLA; add --steady")
