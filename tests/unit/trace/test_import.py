@@ -220,3 +220,19 @@ def test_join_midway_keeps_the_turns_prompt_and_hit_and_drops_what_came_before()
         k = 6 - len(j.turns)
         assert j.turns[0].hit_tokens == 64 * (k + 1)
         assert [s.after_turn for s in j.subagents] == ([3 - k] if k <= 3 else [])
+
+
+@needs_traces
+def test_real_sessions_replay_in_the_simulator(tmp_path, capsys) -> None:
+    files = sorted((TRACES / "claude-code").glob("*.json.gz"))[:3]
+    trs, _ = import_claude_code(files)
+    path = tmp_path / "cc3.jsonl"
+    trace.save_jsonl(path, trs, meta={"name": "cc3"})
+    argv = ["sim", "--preset", "offline-64k", "--trace", str(path), "--xs", "3", "--json"]
+    assert main([*argv, "--quiet", "--think-cap", "30"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    turns = sum(1 for _ in trace.iter_turns(trs))
+    over = sum(1 for _, _, t, p, _ in trace.iter_turns(trs) if p + t.gen_tokens > 131_072)
+    assert out["trace"] == "cc3"
+    for st in out["points"][0]["policies"].values():
+        assert st["complete"] and st["turns"] == turns and st["truncated_context"] == over
