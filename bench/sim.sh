@@ -16,3 +16,12 @@ for preset in offline online; do
     > "$out/sim_$preset.json"
 done
 cat "$out"/sim_bench.json
+# Real agentic traffic (issue 16), when the shared traces are next to the repository: import the
+# 119 Claude Code sessions, then all of them through both policies at 2P4D (bar: < 60 s).
+traces="${DUALPATH_TRACES:-../shared/traces}"
+if [ -d "$traces/claude-code" ]; then
+  "$py" -m dualpath.cli trace import claude-code "$traces/claude-code" -o "$out/cc.jsonl" \
+    > "$out/trace_import.json"
+  "$py" -m dualpath.cli sim --preset offline-64k --trace "$out/cc.jsonl" --xs 119 --steady \
+    --json --quiet > "$out/sim_claude_code.json"
+fi

@@ -46,6 +46,18 @@ def _sim() -> ModuleType:
     return cli
 
 
+def _trace() -> ModuleType:
+    from dualpath import trace_cli
+
+    return trace_cli
+
+
+def _plan() -> ModuleType:
+    from dualpath.sim import plan
+
+    return plan
+
+
 def _render() -> ModuleType:
     from dualpath_operator import render_cli
 
@@ -117,6 +129,8 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("run the main job on the embedded local default", _demo),
     "up": Command("start a local cluster (scheduler, workers, frontend) as processes", _up),
     "sim": Command("cluster-scale discrete-event simulation of the policies", _sim),
+    "trace": Command("import real traces (claude-code, mooncake); print stats", _trace),
+    "plan": Command("size P:D from a trace with the simulator, per policy", _plan),
     "render": Command("print the manifests a DualPathCluster turns into", _render),
     "operator": Command("run the kopf operator", _operator),
     "scheduler": Command("run the gRPC scheduler service", _scheduler),

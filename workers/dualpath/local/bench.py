@@ -172,6 +172,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first turns of each agent run before the clock starts (cold context)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trace",
+        help="replay an imported trace (`dualpath trace import`): its first --agents sessions' "
+        "first --turns turns, lengths scaled by one factor to fit --context",
+    )
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
 
 
@@ -285,7 +290,11 @@ async def replay(
                 await warm.wait()
             if i and think_scale > 0 and turn.think_s > 0:
                 await asyncio.sleep(turn.think_s * think_scale)
-            history += _tokens(rng, turn.append_tokens, vocab)
+            if turn.prompt_tokens >= 0:  # recorded (--trace): keep its hit, fill to its prompt
+                keep = min(len(history), turn.hit(len(history), turn.prompt_tokens))
+                history = history[:keep] + _tokens(rng, turn.prompt_tokens - keep, vocab)
+            else:
+                history += _tokens(rng, turn.append_tokens, vocab)
             body = {
                 "model": model,
                 "prompt": history,
@@ -590,6 +599,12 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     spec = trace_spec(args)
     trajectories = generate(spec)
+    if args.trace:
+        from dualpath.trace import load_jsonl, scale_to_context
+
+        trajectories = scale_to_context(
+            load_jsonl(args.trace), args.context, args.agents, args.turns
+        )
     calibration = None
     if args.snic_gbps == "auto":
         try:
@@ -634,7 +649,9 @@ def run(args: argparse.Namespace) -> int:
             "snic_gbps": cfg.spec.storage.snic_gbps,
             "snic_calibration": asdict(calibration) if calibration else None,
             "model": cfg.spec.model.name,
-            "trace": asdict(spec),
+            "trace": asdict(spec)
+            if not args.trace
+            else {"file": args.trace, "scaled_to": args.context},
         },
         "policies": {r.policy: asdict(r) for r in out},
     }

@@ -4,6 +4,12 @@
     dualpath sim --preset online --json --plot out/online.png
     dualpath sim --preset scale --json
     dualpath sim --preset bench --json        # 48P+96D, one simulated hour (speed)
+    dualpath sim --preset offline-64k --trace out/cc.jsonl --xs 119 --steady --json
+
+Every option is honoured or refused with a message naming it (exit 2): a recorded trace keeps
+its think times (`--think` is refused, `--think-cap` caps them), its sessions are cycled to the
+x axis (offline: sessions, online: Poisson session arrivals at x/s, scale: per prefill node),
+`--seed` shuffles their order and seeds the arrivals.
 
 Every routing decision calls `dualpath.scheduler.policy.get_policy(name).decide` unchanged.
 The baseline is `prefill-read`; ratios are dual-path / baseline, next to the paper's.
@@ -24,8 +30,8 @@ from dualpath import trace
 from dualpath.config import ClusterConfig, ModelSpec, load
 from dualpath.scheduler.policy import thresholds_from_spec
 from dualpath.scheduler.policy.types import Thresholds
-from dualpath.sim.engine import SimConfig, SimResult, Simulator, percentile
-from dualpath.sim.model import CostModel, Hardware
+from dualpath.sim.engine import CONTEXT_RULES, SimConfig, SimResult, Simulator, percentile
+from dualpath.sim.model import CostModel, Hardware, context_limit
 from dualpath.sim.presets import PRESETS, Preset
 
 log = logging.getLogger(__name__)
@@ -50,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw throughput and TTFT per policy")
     parser.add_argument("--xs", help="override the preset's x axis (agents, rates or P nodes)")
-    parser.add_argument("--trace", metavar="JSONL", help="replay a recorded trace (offline)")
+    parser.add_argument(
+        "--trace",
+        metavar="JSONL",
+        help="replay a recorded trace (`dualpath trace import`), cycled to the x axis",
+    )
     parser.add_argument(
         "--config",
         metavar="YAML",
@@ -63,20 +73,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cnic-gbps", type=float, help="compute NICs per node (default 3200)")
     parser.add_argument("--horizon", type=float, help="simulated seconds to stop at")
     parser.add_argument("--agent-group", type=int, help="agents per simulated agent")
-    parser.add_argument("--think", type=float, help="mean tool-call think time (s)")
+    parser.add_argument("--think", type=float, help="synthetic trace: mean think time (s)")
+    parser.add_argument(
+        "--think-cap", type=float, help="cap every think time (recorded tails run to hours)"
+    )
+    parser.add_argument(
+        "--steady",
+        action="store_true",
+        help="offline: also measure the steady state: x sessions at once (joined at a random "
+        "turn, starts spread over the warm-up), a finished session's slot starts the next "
+        "(recycled) until the horizon (default 1800 s), warm-up excluded",
+    )
+    parser.add_argument("--warmup", type=float, help="seconds excluded from steady-state stats")
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        help="context limit in tokens (default: the model's, e.g. 131072; 0 = none)",
+    )
+    parser.add_argument(
+        "--context-rule",
+        choices=CONTEXT_RULES,
+        default="truncate",
+        help="a turn over the limit: truncate (keep the prompt's first limit-gen tokens) or "
+        "refuse it (counted)",
+    )
     parser.add_argument(
         "--active-per-prefill",
         type=int,
         help="offline: agents running at once per prefill node (0 = all)",
     )
     parser.add_argument("--ttft-sla", type=float, help="online TTFT SLA in s (default 4)")
+    parser.add_argument("--tpot-sla", type=float, help="TPOT SLA in s (SLO attainment)")
     parser.add_argument(
         "--sla-percentile",
         type=float,
-        default=90.0,
         help="TTFT percentile that must meet the SLA (default p90)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, help="synthetic: trace seed (default 0); recorded: shuffle, arrivals"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -87,7 +122,28 @@ def _policy(name: str) -> Any:
     return get_policy(name)
 
 
-def _stats(r: SimResult, online: bool) -> dict[str, Any]:
+class Refused(ValueError):
+    """A command-line option that this run cannot honour; the message names it."""
+
+
+def slo_attainment(r: SimResult, ttft_s: float, tpot_s: float | None) -> float | None:
+    """Fraction of measured turns meeting both SLOs (turns unfinished at the end fail)."""
+    if not r.ttft_s:
+        return None
+    tpot = r.tpot_s
+    ok = sum(
+        1
+        for i, t in enumerate(r.ttft_s[: len(tpot)])
+        if t <= ttft_s and (tpot_s is None or tpot[i] <= tpot_s)
+    )
+    return round(ok / len(r.ttft_s), 4)
+
+
+def _stats(
+    r: SimResult,
+    online: bool,
+    sla: tuple[float, float | None] | None = None,
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tokens_per_s": round(r.steady_tokens_per_s if online else r.tokens_per_s, 2),
         "turns": r.turns_done,
@@ -103,9 +159,21 @@ def _stats(r: SimResult, online: bool) -> dict[str, Any]:
         "prefill_busy": round(r.prefill_busy, 4),
         "cnic_kv_gbytes": round(r.cnic_kv_bytes / 1e9, 3),
         "write_gbytes": round(r.write_bytes / 1e9, 3),
+        "utilisation": r.utilisation,
+        "binding": r.binding,
+        "refused_context": r.refused_context,
+        "truncated_context": r.truncated_context,
+        "truncated_tokens": r.truncated_tokens,
+        "refused_unfittable": r.refused_unfittable,
+        "waiting_at_end": r.waiting_at_end,
     }
     if not online:
         out["jct_s"] = None if math.isnan(r.jct_s) else round(r.jct_s, 3)
+        out["complete"] = not math.isnan(r.jct_s)
+    else:
+        out["sessions_started"] = r.sessions_started
+    if sla is not None:
+        out["slo_attainment"] = slo_attainment(r, sla[0], sla[1])
     for q in (50, 90, 99):
         out[f"ttft_p{q}_s"] = _num(percentile(r.ttft_s, q))
         out[f"tpot_p{q}_s"] = _num(percentile(r.tpot_s, q))
@@ -121,6 +189,7 @@ class _Setup:
 
     def __init__(self, args: argparse.Namespace) -> None:
         p: Preset = PRESETS[args.preset]
+        _check_options(args, p)
         model_name = args.model or p.model
         prefill, decode = p.prefill_nodes, p.decode_nodes
         hw = Hardware()
@@ -150,26 +219,52 @@ class _Setup:
         self.thresholds = th
         self.prefill = args.prefill or prefill
         self.decode = args.decode or decode
-        self.xs = [float(x) for x in args.xs.split(",")] if args.xs else list(p.xs)
+        self.xs = _xs(args.xs) if args.xs else list(p.xs)
         self.horizon = args.horizon if args.horizon else p.horizon_s
         self.group = args.agent_group or p.agent_group
         self.think = p.mean_think_s if args.think is None else args.think
+        self.think_cap = args.think_cap
+        self.steady = args.steady
+        self.steady_horizon = args.horizon or STEADY_HORIZON_S
+        self.warmup = args.warmup if args.warmup is not None else None
+        self.tpot_sla = args.tpot_sla
+        self.max_context = (
+            context_limit(model.preset) if args.max_context is None else args.max_context
+        )
+        self.context_rule = args.context_rule
         self.active_per_prefill = (
             p.active_per_prefill if args.active_per_prefill is None else args.active_per_prefill
         )
         self.sla = args.ttft_sla or p.ttft_sla_s
-        self.sla_q = args.sla_percentile
+        self.sla_q = args.sla_percentile if args.sla_percentile is not None else 90.0
         self.seed = args.seed
-        self.recorded = trace.load_jsonl(args.trace) if args.trace else None
+        self.recorded: list[trace.Trajectory] | None = None
+        self.trace_name = p.trace
+        if args.trace:
+            try:
+                meta, self.recorded = trace.load_trace(args.trace)
+            except (OSError, ValueError) as err:
+                raise Refused(f"--trace: {err}") from None
+            if not self.recorded:
+                raise Refused(f"--trace: {args.trace} holds no sessions")
+            self.trace_name = str(meta.get("name") or args.trace)
+        self.trace_file = args.trace
         self.progress = not args.quiet
 
     def trajectories(self, agents: int, rate: float = 0.0) -> list[trace.Trajectory]:
         if self.recorded is not None:
-            return self.recorded
-        spec = trace.preset_spec(
-            self.preset.trace, agents=max(1, agents), mean_think_s=self.think, seed=self.seed
-        )
-        return trace.generate(spec, arrival_rate_per_s=rate)
+            trs = trace.replay(self.recorded, max(1, agents), rate, self.seed)
+        else:
+            spec = trace.preset_spec(
+                self.preset.trace,
+                agents=max(1, agents),
+                mean_think_s=self.think,
+                seed=self.seed or 0,
+            )
+            trs = trace.generate(spec, arrival_rate_per_s=rate)
+        if self.think_cap is not None:
+            trs = [trace.cap_think(t, self.think_cap) for t in trs]
+        return trs
 
     def config(
         self,
@@ -179,8 +274,14 @@ class _Setup:
         warmup: float,
         group: int,
         trs: list[trace.Trajectory],
+        active: int | None = None,
+        recycle: bool = False,
     ) -> SimConfig:
         st = trace.stats(trs[:256], self.model.block_tokens)
+        if active is None:
+            active = (
+                max(1, self.active_per_prefill * prefill // group) if self.active_per_prefill else 0
+            )
         return SimConfig(
             prefill_nodes=prefill,
             decode_nodes=decode,
@@ -193,10 +294,65 @@ class _Setup:
             mean_context_tokens=st.mean_prompt_tokens,
             progress=self.progress,
             agent_group=group,
-            max_active_agents=max(1, self.active_per_prefill * prefill // group)
-            if self.active_per_prefill
-            else 0,
+            max_active_agents=active,
+            max_context_tokens=self.max_context,
+            context_rule=self.context_rule,
+            recycle=recycle,
         )
+
+
+STEADY_HORIZON_S = 1800.0
+
+
+def _xs(text: str) -> list[float]:
+    try:
+        xs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise Refused(f"--xs: {text!r} is not a comma-separated list of numbers") from None
+    if not xs or any(x <= 0 for x in xs):
+        raise Refused(f"--xs: {text!r}: give positive numbers")
+    return xs
+
+
+def _check_options(args: argparse.Namespace, p: Preset) -> None:
+    """Refuse the options this preset's mode cannot honour (instead of ignoring them)."""
+    if args.trace and args.think is not None:
+        raise Refused(
+            "--think: sets the synthetic trace's mean think time; a recorded trace (--trace) "
+            "keeps its own: use --think-cap S to cap them"
+        )
+    if args.steady and p.mode != "offline":
+        raise Refused(f"--steady: the {p.mode} preset already measures the steady state")
+    if args.sla_percentile is not None and p.mode != "online":
+        raise Refused("--sla-percentile: only the online preset searches a rate under the SLA")
+    offline_only = p.mode == "offline" and not args.steady
+    for flag, value in (
+        ("--warmup", args.warmup),
+        ("--ttft-sla", args.ttft_sla),
+        ("--tpot-sla", args.tpot_sla),
+    ):
+        if value is not None and offline_only:
+            raise Refused(f"{flag}: offline completion has no warm-up or SLA; add --steady")
+    for flag, value in (
+        ("--horizon", args.horizon),
+        ("--think-cap", args.think_cap),
+        ("--warmup", args.warmup),
+        ("--ttft-sla", args.ttft_sla),
+        ("--tpot-sla", args.tpot_sla),
+    ):
+        if value is not None and value < 0:
+            raise Refused(f"{flag}: must be >= 0 (got {value})")
+    for flag, value in (
+        ("--agent-group", args.agent_group),
+        ("--prefill", args.prefill),
+        ("--decode", args.decode),
+    ):
+        if value is not None and value < 1:
+            raise Refused(f"{flag}: must be >= 1 (got {value})")
+    if args.max_context is not None and args.max_context < 0:
+        raise Refused(f"--max-context: must be >= 0 (got {args.max_context})")
+    if p.mode == "scale" and (args.prefill or args.decode):
+        raise Refused("--prefill/--decode: the scale preset sets them from --xs (P, 2P)")
 
 
 def _say(setup: _Setup, msg: str) -> None:
@@ -231,28 +387,57 @@ def run_preset(setup: _Setup, policies: list[str]) -> dict[str, Any]:
     sim_total = 0.0
     for x in setup.xs:
         per: dict[str, Any] = {}
+        steady_cfg: SimConfig | None = None
+        steady_trs: list[trace.Trajectory] = []
         if mode == "offline":
             agents = int(x)
             group = setup.group
             trs = setup.trajectories(max(1, agents // group))
             cfg = setup.config(setup.prefill, setup.decode, setup.horizon, 0.0, group, trs)
             label = f"{p.name} {setup.prefill}P+{setup.decode}D agents={agents}"
+            if setup.steady:
+                slots = max(1, agents // group)
+                pool = len(setup.recorded) if setup.recorded is not None else slots
+                h = setup.steady_horizon
+                w = setup.warmup if setup.warmup is not None else h / 4
+                steady_trs = setup.trajectories(max(slots, pool))
+                steady_trs = trace.join_midway(
+                    steady_trs, slots, setup.seed, setup.model.block_tokens
+                )
+                steady_trs = trace.stagger(steady_trs, slots, w)
+                steady_cfg = setup.config(
+                    setup.prefill, setup.decode, h, w, group, steady_trs, slots, recycle=True
+                )
         elif mode == "online":
+            group = setup.group
             n = int(math.ceil(x * setup.horizon)) if math.isfinite(setup.horizon) else 1000
-            trs = setup.trajectories(n, rate=x)
-            cfg = setup.config(setup.prefill, setup.decode, setup.horizon, p.warmup_s, 1, trs)
+            trs = setup.trajectories(max(1, n // group), rate=x / group)
+            warm = setup.warmup if setup.warmup is not None else p.warmup_s
+            cfg = setup.config(setup.prefill, setup.decode, setup.horizon, warm, group, trs)
             label = f"{p.name} {setup.prefill}P+{setup.decode}D rate={x}/s"
         else:  # scale: x prefill nodes, 2x decode nodes, agents proportional
             pn = int(x)
             group = setup.group
             agents = pn * p.agents_per_prefill
             trs = setup.trajectories(max(1, agents // group))
-            cfg = setup.config(pn, 2 * pn, setup.horizon, p.warmup_s, group, trs)
+            warm = setup.warmup if setup.warmup is not None else p.warmup_s
+            cfg = setup.config(pn, 2 * pn, setup.horizon, warm, group, trs)
             label = f"{p.name} {pn}P+{2 * pn}D agents={agents}"
+        sla = (setup.sla, setup.tpot_sla) if mode != "offline" or setup.steady else None
         for pol in policies:
             r = _run_one(setup, pol, cfg, trs, label)
             sim_total += r.sim_s
-            per[pol] = _stats(r, online=mode != "offline")
+            per[pol] = _stats(r, online=mode != "offline", sla=None if mode == "offline" else sla)
+            if mode == "offline" and not per[pol]["complete"]:
+                _say(
+                    setup,
+                    f"WARNING {label} {pol}: stopped at the horizon with "
+                    f"{r.agents - r.agents_done} of {r.agents} agents unfinished",
+                )
+            if steady_cfg is not None:
+                rs = _run_one(setup, pol, steady_cfg, steady_trs, f"{label} steady")
+                sim_total += rs.sim_s
+                per[pol]["steady"] = _stats(rs, online=True, sla=sla)
         points.append(
             {
                 "x": x,
@@ -267,7 +452,12 @@ def run_preset(setup: _Setup, policies: list[str]) -> dict[str, Any]:
         "mode": mode,
         "model": setup.model.name,
         "kv_bytes_per_token": setup.model.kv_bytes_per_token,
-        "trace": p.trace,
+        "trace": setup.trace_name,
+        "trace_file": setup.trace_file,
+        "seed": setup.seed,
+        "think_cap_s": setup.think_cap,
+        "context_limit_tokens": setup.max_context,
+        "context_rule": setup.context_rule,
         "x": {"offline": "agents", "online": "agent_arrivals_per_s", "scale": "prefill_nodes"}[
             mode
         ],
@@ -280,6 +470,15 @@ def run_preset(setup: _Setup, policies: list[str]) -> dict[str, Any]:
         "baseline": BASELINE,
         "points": points,
     }
+    if setup.steady:
+        h = setup.steady_horizon
+        out["steady"] = {
+            "horizon_s": h,
+            "warmup_s": setup.warmup if setup.warmup is not None else h / 4,
+            "x": "sessions running at once (a finished one's slot starts the next)",
+            "ttft_sla_s": setup.sla,
+            "tpot_sla_s": setup.tpot_sla,
+        }
     out.update(_summary(setup, policies, points))
     out["paper"] = p.paper
     out["wall_s"] = round(time.perf_counter() - wall0, 3)
@@ -305,6 +504,15 @@ def _summary(setup: _Setup, policies: list[str], points: list[dict[str, Any]]) -
         }[mode]
         # The largest load point: where the cluster is saturated, as in the paper's headline.
         ratios[key] = per_point[-1]
+        if mode == "offline" and "steady" in points[0]["policies"]["dualpath"]:
+            ratios["steady_throughput_ratio_per_point"] = [
+                _ratio(
+                    pt["policies"]["dualpath"]["steady"]["tokens_per_s"],
+                    pt["policies"][BASELINE]["steady"]["tokens_per_s"],
+                )
+                for pt in points
+            ]
+            ratios["steady_throughput_ratio"] = ratios["steady_throughput_ratio_per_point"][-1]
         if mode == "offline":
             ratios["jct_ratio_baseline_over_dualpath"] = [
                 _ratio(pt["policies"][BASELINE]["jct_s"], pt["policies"]["dualpath"]["jct_s"])
@@ -387,7 +595,11 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as err:
         print(f"--policies: {err}", file=sys.stderr)
         return 2
-    setup = _Setup(args)
+    try:
+        setup = _Setup(args)
+    except Refused as err:
+        print(f"dualpath sim: {err}", file=sys.stderr)
+        return 2
     result = run_preset(setup, policies)
     if args.plot:
         plot(result, args.plot)

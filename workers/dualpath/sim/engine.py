@@ -24,6 +24,15 @@ A turn's life:
 6. DECODE_DONE: new full blocks are written to storage (through the decode SNIC's write
    direction; SNICs are full duplex, so writes do not slow reads), the agent thinks (tool
    call) and sends its next turn.
+
+Recorded turns (`dualpath.trace`) bring their own prompt and hit; a subagent starts `start_s`
+after its parent's `after_turn`-th turn finished, as an agent of its own. A session is done when
+it and all its subagents are. Before routing, a turn is checked once: over the model's context
+limit it is truncated or refused (`context_rule`), and one whose KV cannot fit a decode node
+even when empty is refused and counted, never re-offered. With `recycle`, a finished session's
+slot starts the next session of the list (cycling) until the horizon: the steady state.
+Utilisation of each resource (prefill GPUs, SNICs, CNICs, decode KV memory) is measured over
+the window after the warm-up; the highest is the run's binding resource.
 """
 
 from __future__ import annotations
@@ -50,7 +59,17 @@ from dualpath.trace import Trajectory
 
 log = logging.getLogger(__name__)
 
-ARRIVE, PREFILL_WAKE, PREFILL_DONE, DECODE_DONE, RETRY = 0, 1, 2, 3, 4
+ARRIVE, PREFILL_WAKE, PREFILL_DONE, DECODE_DONE, RETRY, WARMUP = 0, 1, 2, 3, 4, 5
+CONTEXT_RULES = ("truncate", "refuse")
+# Resources whose utilisation a run reports; the highest binds.
+RESOURCES = (
+    "prefill_gpu",
+    "prefill_snic",
+    "decode_snic",
+    "prefill_cnic",
+    "decode_cnic",
+    "decode_kv_memory",
+)
 
 
 @dataclass(slots=True)
@@ -72,6 +91,23 @@ class SimConfig:
     # Offline batch jobs run at most this many (simulated) agents at once; the next one starts
     # when one finishes (0 = all start at their start_s).
     max_active_agents: int = 0
+    # A turn whose prompt + generation exceeds this (0 = no limit) is truncated to it (the
+    # prompt keeps its first limit - gen tokens, gen at most half the limit) or refused.
+    max_context_tokens: int = 0
+    context_rule: str = "truncate"
+    # Steady state: a finished session's slot starts the next session, cycling the list, until
+    # the horizon (needs a finite horizon_s and max_active_agents).
+    recycle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.context_rule not in CONTEXT_RULES:
+            raise ValueError(
+                f"SimConfig.context_rule: {self.context_rule!r}, choose one of {CONTEXT_RULES}"
+            )
+        if self.recycle and not (math.isfinite(self.horizon_s) and self.max_active_agents > 0):
+            raise ValueError("SimConfig.recycle: needs a finite horizon_s and max_active_agents")
+        if self.max_context_tokens < 0 or self.agent_group < 1:
+            raise ValueError("SimConfig.max_context_tokens >= 0 and agent_group >= 1 required")
 
 
 @dataclass(slots=True)
@@ -104,6 +140,7 @@ class _Prefill:
     ready: list = field(default_factory=list)  # heap of (start_ok_s, seq, req)
     busy_s: float = 0.0
     read_bytes: int = 0
+    cnic_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -115,6 +152,7 @@ class _Decode:
     batch_kv_bytes: int = 0
     read_bytes: int = 0
     write_bytes: int = 0
+    cnic_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -141,6 +179,21 @@ class SimResult:
     path_d_fraction: float
     window_gen_tokens: int = 0  # generated tokens of turns finishing after warmup_s
     warmup_s: float = 0.0
+    refused_context: int = 0  # turns over the context limit, refused (context_rule refuse)
+    truncated_context: int = 0  # turns over the context limit, truncated to it
+    truncated_tokens: int = 0  # prompt + generated tokens cut by truncation
+    refused_unfittable: int = 0  # turns whose KV exceeds an empty decode node
+    waiting_at_end: int = 0  # turns still queued for a decision at the end (the horizon)
+    sessions_started: int = 0
+    # Fraction of each resource busy over the window after the warm-up (RESOURCES).
+    utilisation: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def binding(self) -> str:
+        """The resource with the highest utilisation ("" when nothing ran)."""
+        if not self.utilisation or max(self.utilisation.values()) <= 0:
+            return ""
+        return max(self.utilisation, key=self.utilisation.__getitem__)
 
     @property
     def tokens_per_s(self) -> float:
@@ -219,10 +272,14 @@ class Simulator:
         self.seq = 0
         self.waiting: list[_Req] = []
         self.last_refresh_s = -math.inf
-        # Per-agent progress.
-        self.ctx = [tr.first_tokens for tr in trajectories]
-        self.stored = [0] * len(trajectories)
-        self.turn_i = [0] * len(trajectories)
+        self.kv_capacity = hw.decode_kv_capacity_bytes
+        # Per running agent (an instance of a trajectory: a session's root or a subagent).
+        self.inst: list[Trajectory] = []
+        self.inst_session: list[int] = []  # session (root instance) of each instance
+        self.ctx: list[int] = []
+        self.stored: list[int] = []
+        self.turn_i: list[int] = []
+        self.live: dict[int, int] = {}  # session -> its instances not finished yet
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -243,14 +300,64 @@ class Simulator:
             )
         self.last_refresh_s = now
 
-    def _new_turn(self, a: int, now: float) -> _Req:
-        t = self.trs[a].turns[self.turn_i[a]]
-        prompt = self.ctx[a] + t.append_tokens
-        hit = min(self.stored[a], prompt - 1) if prompt > 0 else 0
-        w = self.cfg.agent_group
-        req = _Req(a, self.turn_i[a], prompt, hit, t.gen_tokens, now, w=w)
-        req.compute_s = self.cfg.cost.prefill_s(prompt - hit, hit) * w
-        req.ctx_bytes = (prompt + t.gen_tokens) * self.cfg.cost.kv_bytes_per_token * w
+    def _start(self, tr: Trajectory, at: float, session: int = -1) -> int:
+        """A new running instance of `tr` arriving at `at`; returns its index."""
+        a = len(self.inst)
+        self.inst.append(tr)
+        self.inst_session.append(a if session < 0 else session)
+        self.ctx.append(tr.first_tokens)
+        self.stored.append(0)
+        self.turn_i.append(0)
+        s = self.inst_session[a]
+        self.live[s] = self.live.get(s, 0) + 1
+        if session < 0:
+            self.sessions_started += 1
+        self._push(at, ARRIVE, a)
+        self._spawn(a, 0, at)
+        return a
+
+    def _spawn(self, a: int, done_turns: int, now: float) -> None:
+        """Start the subagents of instance `a` due after its `done_turns`-th turn."""
+        tr = self.inst[a]
+        last = len(tr.turns)
+        for sub in tr.subagents:
+            if min(sub.after_turn, last) == done_turns and sub.turns:
+                self._start(sub, now + sub.start_s, self.inst_session[a])
+
+    def _new_turn(self, a: int, now: float) -> _Req | None:
+        """The request of instance `a`'s next turn, or None if it is refused (counted)."""
+        cfg = self.cfg
+        t = self.inst[a].turns[self.turn_i[a]]
+        prompt = t.prompt(self.ctx[a])
+        gen = t.gen_tokens
+        hit = t.hit(self.stored[a], prompt)
+        limit = cfg.max_context_tokens
+        if limit and prompt + gen > limit:
+            if cfg.context_rule == "refuse":
+                self.refused_context += 1
+                return None
+            cut_gen = min(gen, limit // 2)
+            cut_prompt = limit - cut_gen
+            self.truncated_context += 1
+            self.truncated_tokens += prompt + gen - limit
+            prompt, gen = cut_prompt, cut_gen
+            hit = min(hit, prompt - 1)
+        w = cfg.agent_group
+        req = _Req(a, self.turn_i[a], prompt, hit, gen, now, w=w)
+        req.ctx_bytes = (prompt + gen) * cfg.cost.kv_bytes_per_token * w
+        if req.ctx_bytes > self.kv_capacity:
+            self.refused_unfittable += 1
+            if self.refused_unfittable == 1:
+                log.warning(
+                    "sim: turn of %d tokens x %d agents needs %.1f GB of KV, more than a decode "
+                    "node holds (%.1f GB): refused (lower --agent-group or --max-context)",
+                    prompt + gen,
+                    w,
+                    req.ctx_bytes / 1e9,
+                    self.kv_capacity / 1e9,
+                )
+            return None
+        req.compute_s = cfg.cost.prefill_s(prompt - hit, hit) * w
         return req
 
     # -- the decision ------------------------------------------------------------------------
@@ -277,6 +384,8 @@ class Simulator:
         # the scheduler's own accounting, as the service does until the next heartbeat
         account(self.view, rr, dec)
         req.routed = rr
+        self.inflight += 1
+        self._kv_change(now, rr.context_bytes)
         pi = self.p_index[dec.prefill_node]
         di = self.d_index[dec.decode_node]
         p, d = self.pre[pi], self.dec[di]
@@ -294,6 +403,7 @@ class Simulator:
             end = max(read_end + send / layers, s0 + send)
             d.cnic_free_s = end
             self.cnic_bytes += hit_bytes
+            d.cnic_bytes += hit_bytes
             req.ready_s = end
         else:
             start = p.snic_free_s if p.snic_free_s > now else now
@@ -347,6 +457,7 @@ class Simulator:
         arrive = s0 + nbytes / self.cnic_bw
         p.cnic_free_s = arrive
         self.cnic_bytes += nbytes
+        p.cnic_bytes += nbytes
         ds = d.state
         ds.tokens_queued -= rr.prompt_tokens + rr.max_new_tokens
         ds.tokens_running += rr.prompt_tokens + rr.max_new_tokens
@@ -367,6 +478,8 @@ class Simulator:
         ds.tokens_running -= rr.prompt_tokens + rr.max_new_tokens
         ds.requests_running -= 1
         ds.buffer_free_bytes += rr.context_bytes
+        self.inflight -= 1
+        self._kv_change(now, -rr.context_bytes)
         d.batch -= w
         d.batch_kv_bytes -= req.ctx_bytes
         a = req.agent
@@ -381,24 +494,40 @@ class Simulator:
         ctx = req.prompt + req.gen
         bt = self.cfg.block_tokens
         full = (ctx // bt) * bt
-        wbytes = (full - self.stored[a]) * self.cfg.cost.kv_bytes_per_token * w
+        # Blocks past the hit are new in storage (a partial hit rewrites what it re-sent).
+        wbytes = (full - (req.hit // bt) * bt) * self.cfg.cost.kv_bytes_per_token * w
         if wbytes > 0:
             d.write_bytes += wbytes
             self.write_bytes += wbytes
         self.stored[a] = full
-        self.ctx[a] = ctx
-        self.turn_i[a] += 1
-        tr = self.trs[a]
-        if self.turn_i[a] < len(tr.turns):
-            self._push(now + tr.turns[self.turn_i[a]].think_s, ARRIVE, a)
-        else:
-            self.agents_done += w
-            self.last_done_s = now
-            if self.next_agent < len(self.trs):
-                self._push(now, ARRIVE, self.next_agent)
-                self.next_agent += 1
+        self._advance(a, ctx, now)
         if self.waiting:
             self._retry(now)
+
+    def _advance(self, a: int, ctx: int, now: float) -> None:
+        """Instance `a` finished (or was refused) a turn leaving `ctx` tokens of context."""
+        self.ctx[a] = ctx
+        self.turn_i[a] += 1
+        tr = self.inst[a]
+        self._spawn(a, self.turn_i[a], now)
+        if self.turn_i[a] < len(tr.turns):
+            self._push(now + tr.turns[self.turn_i[a]].think_s, ARRIVE, a)
+            return
+        s = self.inst_session[a]
+        self.live[s] -= 1
+        if self.live[s]:
+            return
+        del self.live[s]
+        self.agents_done += self.cfg.agent_group
+        self.last_done_s = now
+        if self.next_agent < len(self.trs) or (self.cfg.recycle and self.trs):
+            self._start(self.trs[self.next_agent % len(self.trs)], now)
+            self.next_agent += 1
+
+    def _kv_change(self, now: float, delta: int) -> None:
+        self.kv_area += self.kv_used * (now - self.kv_last_s)
+        self.kv_last_s = now
+        self.kv_used += delta
 
     def _retry(self, now: float) -> None:
         # Like the real scheduler's queue, a refused request is re-offered to the policy at
@@ -409,10 +538,28 @@ class Simulator:
         waiting, self.waiting = self.waiting, []
         for i, req in enumerate(waiting):
             if not self._route(req, now):
+                if self.inflight == 0:
+                    # Nothing runs that could free room: the policy would refuse it forever.
+                    self._refuse_stuck(req, now)
+                    self.waiting.extend(waiting[i + 1 :])
+                    if self.waiting:
+                        self._push(now, RETRY, None)
+                        self.next_retry_s = now
+                    break
                 self.waiting.extend(waiting[i:])
                 self.next_retry_s = now + self.cfg.heartbeat_s
                 self._push(self.next_retry_s, RETRY, None)
                 break
+
+    def _refuse_stuck(self, req: _Req, now: float) -> None:
+        self.refused_unfittable += 1
+        log.warning(
+            "sim: turn %d.%d (%d tokens) refused on an idle cluster: it fits no decode node",
+            req.agent,
+            req.turn,
+            req.prompt,
+        )
+        self._advance(req.agent, req.prompt + req.gen, now)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -424,10 +571,17 @@ class Simulator:
         self.tpot: list[float] = []
         self.last_done_s = 0.0
         self.next_retry_s = -math.inf
+        self.refused_context = self.truncated_context = self.truncated_tokens = 0
+        self.refused_unfittable = self.sessions_started = self.inflight = 0
+        self.kv_used = self.kv_area = 0
+        self.kv_last_s = 0.0
+        self.snap: dict[str, float] = {}
         cap = self.cfg.max_active_agents or len(self.trs)
-        for a, tr in enumerate(self.trs[:cap]):
-            self._push(tr.start_s, ARRIVE, a)
+        for tr in self.trs[:cap]:
+            self._start(tr, tr.start_s)
         self.next_agent = min(cap, len(self.trs))
+        if self.cfg.warmup_s > 0:
+            self._push(self.cfg.warmup_s, WARMUP, None)
         horizon = self.cfg.horizon_s
         heap = self.heap
         pop = heapq.heappop
@@ -444,7 +598,11 @@ class Simulator:
             events += 1
             if kind == ARRIVE:
                 req = self._new_turn(obj, now)  # type: ignore[arg-type]
-                if self.waiting:
+                if req is None:
+                    a = obj
+                    t = self.inst[a].turns[self.turn_i[a]]  # type: ignore[index]
+                    self._advance(a, t.prompt(self.ctx[a]) + t.gen_tokens, now)  # type: ignore[arg-type]
+                elif self.waiting:
                     self.waiting.append(req)
                 elif not self._route(req, now):
                     self.waiting.append(req)
@@ -456,6 +614,8 @@ class Simulator:
                 self._prefill_done(obj, now)  # type: ignore[arg-type]
             elif kind == DECODE_DONE:
                 self._decode_done(obj, now)  # type: ignore[arg-type]
+            elif kind == WARMUP:
+                self.snap = self._counters(now)
             elif self.waiting:
                 self._retry(now)
             if events & 0x3FFF == 0:
@@ -467,8 +627,14 @@ class Simulator:
                     elif self.cfg.progress:
                         _stderr_progress(self.policy.name, now, horizon, self.turns_done)
         wall = time.perf_counter() - wall0
-        all_done = self.agents_done == self.cfg.agent_group * sum(1 for t in self.trs if t.turns)
+        all_done = not self.cfg.recycle and self.agents_done == self.cfg.agent_group * sum(
+            1 for t in self.trs if t.turns
+        )
         sim_s = self.last_done_s if all_done else (horizon if math.isfinite(horizon) else now)
+        if self.waiting and not heap:
+            # Nothing left to free room: the queue can never drain (a policy refusing forever).
+            log.warning("sim: %d turns can never be placed; stopped", len(self.waiting))
+        util = self._utilisation(sim_s)
         if not all_done and math.isfinite(horizon):
             # Turns still waiting for their first token at the horizon count as that late.
             for _, _, kind, obj in heap:
@@ -511,7 +677,48 @@ class Simulator:
             path_d_fraction=self._path_d_frac(),
             window_gen_tokens=self.window_gen_tokens,
             warmup_s=self.cfg.warmup_s,
+            refused_context=self.refused_context,
+            truncated_context=self.truncated_context,
+            truncated_tokens=self.truncated_tokens,
+            refused_unfittable=self.refused_unfittable,
+            waiting_at_end=len(self.waiting),
+            sessions_started=self.sessions_started,
+            utilisation=util,
         )
+
+    def _counters(self, now: float) -> dict[str, float]:
+        """Cumulative busy seconds / bytes of each resource at `now` (for window deltas)."""
+        self._kv_change(now, 0)
+        return {
+            "t": now,
+            "prefill_gpu": sum(p.busy_s - max(0.0, p.gpu_free_s - now) for p in self.pre),
+            "prefill_snic": sum(p.read_bytes for p in self.pre)
+            - sum(max(0.0, p.snic_free_s - now) * self.snic_bw for p in self.pre),
+            "decode_snic": sum(d.read_bytes for d in self.dec)
+            - sum(max(0.0, d.snic_free_s - now) * self.snic_bw for d in self.dec),
+            "prefill_cnic": sum(p.cnic_bytes for p in self.pre)
+            - sum(max(0.0, p.cnic_free_s - now) * self.cnic_bw for p in self.pre),
+            "decode_cnic": sum(d.cnic_bytes for d in self.dec)
+            - sum(max(0.0, d.cnic_free_s - now) * self.cnic_bw for d in self.dec),
+            "decode_kv_memory": float(self.kv_area),
+        }
+
+    def _utilisation(self, end: float) -> dict[str, float]:
+        c1 = self._counters(end)
+        c0 = self.snap or dict.fromkeys(c1, 0.0)
+        span = c1["t"] - c0["t"]
+        if span <= 0:
+            return dict.fromkeys(RESOURCES, 0.0)
+        npre, ndec = len(self.pre), len(self.dec)
+        cap = {
+            "prefill_gpu": npre * span,
+            "prefill_snic": npre * self.snic_bw * span,
+            "decode_snic": ndec * self.snic_bw * span,
+            "prefill_cnic": npre * self.cnic_bw * span,
+            "decode_cnic": ndec * self.cnic_bw * span,
+            "decode_kv_memory": ndec * float(self.kv_capacity) * span,
+        }
+        return {k: round(max(0.0, min(1.0, (c1[k] - c0[k]) / cap[k])), 4) for k in RESOURCES}
 
     def _path_d_frac(self) -> float:
         total = self.read_p + self.read_d

@@ -22,6 +22,21 @@ from dualpath.units import gbps_to_bytes_per_s
 # Attended context cap of sparse-attention models (DeepSeek-V3.2 DSA: top-2048 tokens).
 SPARSE_ATTENTION_TOPK: dict[str, int] = {"deepseek-v3.2": 2048}
 
+# Longest context (prompt + generation) each model preset serves; the simulator truncates or
+# refuses longer turns. DeepSeek-V3.2: 128K; Qwen2.5-32B: 128K with YaRN; Llama-3-8B: 8K.
+# Presets not listed (and our own dsmla-27b) get DEFAULT_CONTEXT_TOKENS.
+MODEL_CONTEXT_TOKENS: dict[str, int] = {
+    "deepseek-v3.2": 131_072,
+    "qwen2.5-32b": 131_072,
+    "llama3-8b": 8_192,
+}
+DEFAULT_CONTEXT_TOKENS = 131_072
+
+
+def context_limit(preset: str | None) -> int:
+    """The served context limit (tokens) of a model preset."""
+    return MODEL_CONTEXT_TOKENS.get(preset or "", DEFAULT_CONTEXT_TOKENS)
+
 
 @dataclass(slots=True, frozen=True)
 class Hardware:
