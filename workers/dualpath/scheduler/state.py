@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dualpath.config import SchedulerSpec
 from dualpath.scheduler.index import BlockIndex
 from dualpath.scheduler.policy import (
     ClusterView,
@@ -30,9 +31,13 @@ log = logging.getLogger(__name__)
 # Seconds between warnings about requests refused for want of a pair (each carries the count).
 UNPAIRED_LOG_INTERVAL_S = 5.0
 # Circuit breaker: consecutive failed completions that open a node's breaker, and how long it
-# stays open before one probe request may go there (half-open).
-BREAKER_FAILURES = 3
-BREAKER_COOLDOWN_S = 5.0
+# stays open before one probe request may go there (half-open): spec.scheduler's defaults.
+BREAKER_FAILURES: int = SchedulerSpec.model_fields["breaker_failures"].default
+BREAKER_COOLDOWN_S: float = SchedulerSpec.model_fields["breaker_open_seconds"].default
+# A node silent this many node timeouts is forgotten (dropped from the view, its breaker and
+# drain mark with it): a ghost of a process that is gone for good is not listed forever. Its
+# process, if it comes back, is told it is unknown and registers again.
+FORGET_AFTER_TIMEOUTS = 5
 
 
 class NodeConflict(ValueError):
@@ -55,6 +60,7 @@ class NodeRecord:
     transfer_address: str
     last_seen_s: float
     incarnation: str = ""  # one per process start ("": a client that does not send it)
+    stream: object | None = None  # the heartbeat stream of the moment (a token)
 
     @property
     def config_hash(self) -> str:
@@ -80,7 +86,14 @@ class SchedulerState:
         index: BlockIndex | None = None,
         breaker_failures: int = BREAKER_FAILURES,
         breaker_cooldown_s: float = BREAKER_COOLDOWN_S,
+        forget_after_s: float | None = None,
     ) -> None:
+        """`forget_after_s`: a node silent this long is dropped (default FORGET_AFTER_TIMEOUTS
+        node timeouts)."""
+        self.forget_after_s = (
+            node_timeout_s * FORGET_AFTER_TIMEOUTS if forget_after_s is None else forget_after_s
+        )
+        self.forgotten_total = 0
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self.breakers: dict[str, Breaker] = {}
@@ -211,6 +224,29 @@ class SchedulerState:
         rec.last_seen_s = self.clock()
         return True
 
+    def stream_opened(self, node_id: str) -> object | None:
+        """A heartbeat stream of a known node started: a token for `stream_closed`."""
+        rec = self.nodes.get(node_id)
+        if rec is None:
+            return None
+        rec.stream = object()
+        return rec.stream
+
+    def stream_closed(self, node_id: str, token: object) -> bool:
+        """The node's heartbeat stream ended (its process died or stopped): out of the pool
+        now rather than after the node timeout, unless a newer stream (a re-registration)
+        replaced it. True when the node left the pool."""
+        rec = self.nodes.get(node_id)
+        if rec is None or rec.stream is not token:
+            return False
+        rec.stream = None
+        if not rec.state.healthy:
+            return False
+        rec.state.healthy = False
+        log.warning("node %s: heartbeat stream closed: out of the pool", node_id)
+        self.index.snapshot_lost(node_id)
+        return True
+
     def drain(self, node_id: str) -> bool:
         rec = self.nodes.get(node_id)
         if rec is None:
@@ -221,7 +257,9 @@ class SchedulerState:
         return True
 
     def expire(self) -> list[str]:
-        """Mark nodes whose heartbeats stopped unhealthy (out of the pool); returns them."""
+        """Mark nodes whose heartbeats stopped unhealthy (out of the pool); returns them. A
+        node whose scan the block index awaits is not asked any longer: the next node that
+        heartbeats is."""
         now = self.clock()
         gone = []
         for node_id, rec in self.nodes.items():
@@ -233,7 +271,36 @@ class SchedulerState:
                     node_id,
                     now - rec.last_seen_s,
                 )
+                self.index.snapshot_lost(node_id)
         return gone
+
+    def forget_silent(self) -> list[str]:
+        """Drop the nodes silent for `forget_after_s` (ghosts of processes gone for good) from
+        the view, with their breaker and drain mark; returns their ids. A request still in
+        flight on one keeps its entry until its Complete."""
+        now = self.clock()
+        ghosts = [
+            node_id
+            for node_id, rec in self.nodes.items()
+            if now - rec.last_seen_s > self.forget_after_s
+        ]
+        for node_id in ghosts:
+            rec = self.nodes.pop(node_id)
+            self.breakers.pop(node_id, None)
+            self._open.discard(node_id)
+            self.drained.discard(node_id)
+            self.index.forget_publisher(node_id)
+            self.forgotten_total += 1
+            log.warning(
+                "node %s (%s at %s) silent for %.0fs: forgotten",
+                node_id,
+                rec.state.role,
+                rec.address,
+                now - rec.last_seen_s,
+            )
+        if ghosts:
+            self._rebuild_view()
+        return ghosts
 
     def _rebuild_view(self) -> None:
         self.view.prefill = [r.state for r in self.nodes.values() if r.state.role == "prefill"]
