@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dualpath.local.cli",
         "start a local cluster (scheduler, workers, frontend) as processes",
     ),
+    "faults": (
+        "dualpath.local.faults",
+        "inject faults into a local cluster and tabulate what its clients saw",
+    ),
     "sim": ("dualpath.sim.cli", "cluster-scale discrete-event simulation of the policies"),
     "render": ("dualpath_operator.render_cli", "print the manifests a DualPathCluster turns into"),
     "operator": ("dualpath_operator.main", "run the kopf operator"),

@@ -647,6 +647,10 @@ class SchedulerSpec(_Model):
     breaker_failures: int = Field(default=3, ge=1, le=1000)
     """Failed requests in a row (client cancels never count) that open a node's circuit
     breaker: no requests are routed to it (never to the last available node of its role)."""
+    max_in_flight_per_node: int = Field(default=0, ge=0, le=1_000_000)
+    """Requests routed to one node and not completed yet, at most (0: no cap). A request that
+    finds every node at the cap waits in the scheduler's queue and is then refused (HTTP 429
+    with Retry-After): an overload burst is shed instead of queued past clients' deadlines."""
     breaker_open_seconds: float = Field(default=5.0, gt=0, le=3600)
     """How long an open breaker keeps its node out before one probe request may go there
     (half-open): a success closes it, a failure opens it for this long again."""

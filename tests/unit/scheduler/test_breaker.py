@@ -126,3 +126,21 @@ def test_a_failure_naming_its_node_counts_against_that_node_only():
     assert st.breakers.get("p0") is None or st.breakers["p0"].failures == 0
     assert st.breakers.get("p1") is None or st.breakers["p1"].failures == 0
     assert st.open_breakers() >= 1  # a decode node's
+
+
+def test_a_node_at_its_in_flight_cap_takes_no_more_until_one_completes():
+    st = SchedulerState(
+        get_policy("dualpath"), Thresholds(), node_timeout_s=60.0, max_in_flight_per_node=2
+    )
+    st.register(NodeState("p0", "prefill"), "a:1")
+    for d in ("d0", "d1"):
+        st.register(NodeState(d, "decode"), f"b:{d}")
+    first, second = route(st), route(st)
+    assert first and second and route(st) is None  # p0 holds 2: every pair is at the cap
+    assert st.routed_in_flight("p0") == 2
+    st.complete(first.request_id, cancelled=True)  # a cancel frees its slot too
+    third = route(st)
+    assert third is not None and route(st) is None
+    for d in (second, third):
+        st.complete(d.request_id)
+    assert st.routed_in_flight("p0") == 0 and not st._routed

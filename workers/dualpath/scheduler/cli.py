@@ -45,6 +45,7 @@ def build(
         block_tokens=cfg.spec.model.block_tokens,
         breaker_failures=s.breaker_failures,
         breaker_cooldown_s=s.breaker_open_seconds,
+        max_in_flight_per_node=s.max_in_flight_per_node,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
     return SchedulerServer(servicer, host, port, token)

@@ -329,6 +329,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         st = self.state
         opens = st.breaker_opens_total
         st.complete(request.request_id, request.ok, request.cancelled, request.failed_node)
+        self._notify()  # a slot freed: routes waiting for room try again now
         m.IN_FLIGHT.set(len(st.in_flight))
         m.COMPLETIONS.labels(
             "ok" if request.ok else "cancelled" if request.cancelled else "failed"

@@ -87,9 +87,13 @@ class SchedulerState:
         breaker_failures: int = BREAKER_FAILURES,
         breaker_cooldown_s: float = BREAKER_COOLDOWN_S,
         forget_after_s: float | None = None,
+        max_in_flight_per_node: int = 0,
     ) -> None:
         """`forget_after_s`: a node silent this long is dropped (default FORGET_AFTER_TIMEOUTS
-        node timeouts)."""
+        node timeouts). `max_in_flight_per_node`: a node with this many requests routed and
+        not completed takes no more (0: no cap)."""
+        self.max_in_flight_per_node = max_in_flight_per_node
+        self._routed: dict[str, int] = {}  # node -> requests routed to it, not completed
         self.forget_after_s = (
             node_timeout_s * FORGET_AFTER_TIMEOUTS if forget_after_s is None else forget_after_s
         )
@@ -325,6 +329,9 @@ class SchedulerState:
                 node = self.view.node(node_id)
                 if node is not None:
                     node.held = False  # half-open: a decision may probe it
+        cap = self.max_in_flight_per_node
+        if cap:
+            exclude = [*exclude, *(n for n, k in self._routed.items() if k >= cap)]
         held = [n for n in map(self.view.node, exclude) if n is not None and not n.held]
         for n in held:
             n.held = True
@@ -344,16 +351,14 @@ class SchedulerState:
             return None
         account(self.view, request, decision)
         self.in_flight[request.request_id] = InFlight(request, decision, self.clock())
+        for node_id in {decision.prefill_node, decision.decode_node}:
+            self._routed[node_id] = self._routed.get(node_id, 0) + 1
         self.routed_total += 1
         return decision
 
     def routed_in_flight(self, node_id: str) -> int:
         """Requests routed to `node_id` (either side) and not completed yet."""
-        return sum(
-            1
-            for f in self.in_flight.values()
-            if node_id in (f.decision.prefill_node, f.decision.decode_node)
-        )
+        return self._routed.get(node_id, 0)
 
     def complete(
         self, request_id: str, ok: bool = True, cancelled: bool = False, failed_node: str = ""
@@ -362,9 +367,17 @@ class SchedulerState:
         from (`failed_node`, when it is of the pair) or else both nodes of its pair; a success
         closes their breakers."""
         done = self.in_flight.pop(request_id, None)
-        if done is None or cancelled:
+        if done is None:
             return done
         pair = {done.decision.prefill_node, done.decision.decode_node}
+        for node_id in pair:
+            left = self._routed.get(node_id, 0) - 1
+            if left > 0:
+                self._routed[node_id] = left
+            else:
+                self._routed.pop(node_id, None)
+        if cancelled:
+            return done
         for node_id in pair if ok or failed_node not in pair else (failed_node,):
             self._outcome(node_id, ok)
         return done
@@ -429,7 +442,8 @@ class SchedulerState:
         if gap is None:
             return (
                 False,
-                "all overloaded, without room, draining, unhealthy or failing (breaker open)",
+                "all overloaded, without room, at their in-flight cap, draining, unhealthy or "
+                "failing (breaker open)",
             )
         pre, dec = (", ".join(h or "-" for h in hs) for hs in gap)
         msg = f"no prefill and decode node share a config hash (prefill: {pre}; decode: {dec})"
