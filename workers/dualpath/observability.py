@@ -71,11 +71,14 @@ class ObservabilityServer:
                     body, ctype, code = msg.encode(), "text/plain", 200 if ok else 503
                 else:
                     body, ctype, code = b"not found", "text/plain", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the prober gave up first (its timeout): nothing to tell anyone
 
             def log_message(self, *args: object) -> None:  # scrapes are not events
                 return

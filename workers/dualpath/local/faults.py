@@ -72,6 +72,7 @@ ROWS = (
 QUICK_ROWS = ("scheduler-kill", "decode-kill", "corrupt-blocks", "disconnects", "http-fuzz")
 PROMPT_TOKENS = 96  # 6 blocks of 16 tokens
 GEN_TOKENS = 8
+STREAM_DEADLINES = 4
 # Bars of issue 19: a restarted decode or prefill serves again within 5 s, a scheduler 10 s.
 RECOVER_BAR_S = {"decode-kill": 5.0, "prefill-kill": 5.0, "scheduler-kill": 10.0}
 
@@ -107,10 +108,11 @@ class Cluster:
         )
         self.proc: subprocess.Popen | None = None
         self.frontend = self.scheduler = ""
+        self.argv: dict[str, list[str]] = {}  # name -> command line of its first process
 
     def start(self, timeout_s: float = 240.0) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self._log = open(self.log_file, "a")  # noqa: SIM115 (closed in stop)
+        self._log = open(self.log_file, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dualpath.cli", "up", "-f", str(self.cfg_file)]
             + ["--run-dir", str(self.run_dir), "--storage-dir", str(self.storage)],
@@ -130,6 +132,9 @@ class Cluster:
             m = re.search(rb"READY up frontend=(\S+) scheduler=(\S+)", buf)
             if m:
                 self.frontend, self.scheduler = m.group(1).decode(), m.group(2).decode()
+                for name, pid in self.pids().items():
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    self.argv[name] = cmdline.decode(errors="replace").split("\0")
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -138,35 +143,49 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"dualpath up not ready within {timeout_s:.0f}s: see {self.log_file}")
 
-    def children(self) -> dict[str, tuple[int, list[str]]]:
-        """name (scheduler, frontend, prefill-0, decode-1, ...) -> (pid, argv)."""
-        out: dict[str, tuple[int, list[str]]] = {}
-        if self.proc is None:
-            return out
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                stat = (d / "stat").read_text()
-                argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) != self.proc.pid or stat.split()[2] == "Z":
-                continue
-            if "--node-id" in argv:
-                name = argv[argv.index("--node-id") + 1]
-            else:
-                name = next((a for a in ("scheduler", "frontend") if a in argv), "")
-            if name:
-                out[name] = (int(d.name), argv)
-        return out
+    def wait_zygote(self, timeout_s: float = 180.0) -> bool:
+        """Wait until the supervisor's zygote has done its imports (restarts fork from it)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if "zygote (pid" in self.log_file.read_text(errors="replace"):
+                return True
+            time.sleep(0.2)
+        log.warning("the zygote is not ready after %.0fs: restarts start afresh", timeout_s)
+        return False
+
+    def pids(self) -> dict[str, int]:
+        """name (scheduler, frontend, prefill-0, decode-1, ...) -> pid of its latest process,
+        from the supervisor's log lines (a restart forked from the zygote has the zygote's
+        command line, so /proc cannot name it)."""
+        text = self.log_file.read_text(errors="replace")
+        found = re.finditer(r"(?:started|forked from the zygote) (\S+) \(pid (\d+)\)", text)
+        return {m.group(1): int(m.group(2)) for m in found}
 
     def pid(self, name: str) -> int | None:
-        got = self.children().get(name)
-        return got[0] if got else None
+        pid = self.pids().get(name)
+        return pid if pid is not None and _alive(pid) else None
+
+    def descendants(self) -> list[int]:
+        """Every live process under `dualpath up` (its children, the zygote's children)."""
+        if self.proc is None:
+            return []
+        procs: dict[int, int] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and _alive(int(d.name)):
+                try:
+                    procs[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+        tree, todo = [], [self.proc.pid]
+        while todo:
+            parent = todo.pop()
+            kids = [pid for pid, ppid in procs.items() if ppid == parent]
+            tree += kids
+            todo += kids
+        return tree
 
     def ready_url(self, name: str) -> str:
-        _, argv = self.children()[name]
+        argv = self.argv[name]
         return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/readyz"
 
     def kill(self, name: str) -> int:
@@ -265,12 +284,14 @@ class Client:
         cut_after_first: bool = False,
     ) -> Result:
         res = Result("lost", start_s=time.monotonic())
+        # a turn is hung when nothing comes for the deadline (httpx's read timeout); a whole
+        # answer may take longer while it streams, up to STREAM_DEADLINES deadlines
+        limit = self.deadline_s * (STREAM_DEADLINES if stream else 1)
         try:
             await asyncio.wait_for(
-                self._turn(res, i, max_tokens, stream, on_chunk, cut_after_first),
-                self.deadline_s,
+                self._turn(res, i, max_tokens, stream, on_chunk, cut_after_first), limit
             )
-        except TimeoutError:
+        except (TimeoutError, httpx.TimeoutException):
             res.kind, res.error = "hung", f"no answer within {self.deadline_s:.0f}s"
         except httpx.ConnectError as err:
             res.kind, res.error = "failed", f"connection refused: {err}"  # known at once
@@ -458,12 +479,19 @@ class Suite:
 
         async def inject() -> None:
             if name.startswith("decode"):  # streams decoding on both nodes when it dies
+                started: set[int] = set()
                 streams = [
-                    asyncio.create_task(self.c.turn(i, max_tokens=400, stream=True))
+                    asyncio.create_task(
+                        self.c.turn(
+                            i, max_tokens=160, stream=True, on_chunk=lambda i=i: started.add(i)
+                        )
+                    )
                     for i in self.ref_ids[:6]
                 ]
                 info["streams"] = streams
-                await asyncio.sleep(0.6)
+                t0 = time.monotonic()
+                while len(started) < len(streams) and time.monotonic() - t0 < 20:
+                    await asyncio.sleep(0.01)
             elif name.startswith("prefill"):  # hits being read and relayed when it dies
                 info["inflight"] = [asyncio.create_task(self.c.turn(i)) for i in self.ref_ids[:6]]
                 await asyncio.sleep(0.05)
@@ -553,7 +581,12 @@ class Suite:
     def _read_only(self) -> Callable[[], None]:
         root = self.cl.storage
         if self.mounted:
-            subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+            for _ in range(100):  # EBUSY while a block file is open for writing: try again
+                if subprocess.run(["mount", "-o", "remount,ro", str(root)]).returncode == 0:
+                    break
+                time.sleep(0.02)
+            else:
+                raise RuntimeError(f"could not remount {root} read-only (busy)")
             return lambda: subprocess.run(["mount", "-o", "remount,rw", str(root)], check=True)
         modes = {p: p.stat().st_mode for p in [root, *root.rglob("*")]}
         for p, mode in modes.items():
@@ -587,12 +620,20 @@ class Suite:
     async def disconnect_row(self) -> Row:
         row = Row("disconnects")
         n = 30 if self.quick else 100
-        cut = await asyncio.gather(
-            *(self.c.turn(i, max_tokens=200, stream=True, cut_after_first=True) for i in range(n))
-        )
+        cut: list[Result] = []
+        for wave in range(0, n, 20):  # 20 at a time: under the in-flight cap, none refused
+            cut += await asyncio.gather(
+                *(
+                    self.c.turn(
+                        self.new_prompt(), max_tokens=200, stream=True, cut_after_first=True
+                    )
+                    for _ in range(wave, min(n, wave + 20))
+                )
+            )
         after = await asyncio.gather(*(self.c.turn(i) for i in self.ref_ids * 2))
         row.add(after)
-        row.sent += n
+        row.add([r for r in cut if r.kind != "cancelled"])  # a cut stream is neither
+        row.sent += sum(r.kind == "cancelled" for r in cut)
         codes = [r.status for r in after if r.kind != "ok"]
         inflight = await self._scheduler_in_flight_settles()
         row.note = (
@@ -735,7 +776,7 @@ class Suite:
 
     async def sigint_row(self) -> Row:
         row = Row("sigint")
-        pids = [pid for pid, _ in self.cl.children().values()]
+        pids = self.cl.descendants()
         streams = [
             asyncio.create_task(self.c.turn(i, max_tokens=300, stream=True))
             for i in self.ref_ids[:6]
@@ -744,7 +785,7 @@ class Suite:
         took = await asyncio.to_thread(self.cl.stop, signal.SIGINT)
         results = await asyncio.gather(*streams)
         row.add(results)
-        left = [p for p in pids if Path(f"/proc/{p}").exists() and _not_zombie(p)]
+        left = [p for p in pids if _alive(p)]
         row.note = (
             f"dualpath up stopped in {took:.1f}s (exit {self.cl.proc.returncode if self.cl.proc else '?'}); "
             f"{len(left)} processes left"
@@ -780,7 +821,7 @@ async def _stream_call(call, messages: list) -> None:  # noqa: ANN001
         )
 
 
-def _not_zombie(pid: int) -> bool:
+def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
@@ -820,6 +861,7 @@ async def run_rows(
     try:
         t0 = time.monotonic()
         await asyncio.to_thread(cluster.start)
+        await asyncio.to_thread(cluster.wait_zygote)
         log.info(
             "cluster up in %.1fs (store on %s)",
             time.monotonic() - t0,
