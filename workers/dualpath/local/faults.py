@@ -573,7 +573,7 @@ class Suite:
         finally:
             undo()
         row.add(results)
-        how = "EROFS (read-only remount)" if self.mounted else "EACCES (chmod a-w, not root)"
+        how = "EROFS (read-only bind mount)" if self.mounted else "EACCES (chmod a-w, not root)"
         hits = sum(1 for r in results if r.cached)
         row.note = f"{how}; {hits} turns read hits, new blocks not written"
         return row
@@ -581,13 +581,16 @@ class Suite:
     def _read_only(self) -> Callable[[], None]:
         root = self.cl.storage
         if self.mounted:
-            for _ in range(100):  # EBUSY while a block file is open for writing: try again
-                if subprocess.run(["mount", "-o", "remount,ro", str(root)]).returncode == 0:
-                    break
-                time.sleep(0.02)
-            else:
-                raise RuntimeError(f"could not remount {root} read-only (busy)")
-            return lambda: subprocess.run(["mount", "-o", "remount,rw", str(root)], check=True)
+            # a read-only bind mount over the store: EROFS for every write through its path,
+            # while the tmpfs itself stays writable (a remount of the tmpfs is refused while a
+            # worker holds a deleted block file open)
+            subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
+            try:
+                subprocess.run(["mount", "-o", "remount,bind,ro", str(root)], check=True)
+            except subprocess.CalledProcessError:
+                subprocess.run(["umount", str(root)], check=False)
+                raise
+            return lambda: subprocess.run(["umount", str(root)], check=True)
         modes = {p: p.stat().st_mode for p in [root, *root.rglob("*")]}
         for p, mode in modes.items():
             p.chmod(mode & ~0o222)
