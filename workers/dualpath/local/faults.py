@@ -461,13 +461,18 @@ class Suite:
         return out
 
     async def _serving_again(
-        self, since: float, check: Callable[[Result], bool], timeout_s: float = 60.0
+        self,
+        since: float,
+        check: Callable[[Result], bool],
+        probes: list[Result],
+        timeout_s: float = 60.0,
     ) -> float | None:
         """Seconds from `since` to the end of the first turn (sent after `since`) that
-        succeeded and passes `check`."""
+        succeeded and passes `check`; every turn sent is added to `probes`."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             res = await self.c.turn(random.choice(self.ref_ids))
+            probes.append(res)
             if res.kind == "ok" and not res.wrong and check(res):
                 return res.end_s - since
             await asyncio.sleep(0.05)
@@ -476,6 +481,7 @@ class Suite:
     async def restart_row(self, fault: str, name: str) -> Row:
         row = Row(fault)
         info: dict[str, Any] = {}
+        probes: list[Result] = []
 
         async def inject() -> None:
             if name.startswith("decode"):  # streams decoding on both nodes when it dies
@@ -506,11 +512,13 @@ class Suite:
                 while not http_ok(url) and time.monotonic() - t_up < 60:
                     await asyncio.sleep(0.05)
                 info["ready_s"] = time.monotonic() - t_up
-                info["recover"] = await self._serving_again(t_up, lambda r: r.decode_node == name)
+                info["recover"] = await self._serving_again(
+                    t_up, lambda r: r.decode_node == name, probes
+                )
             else:
-                info["recover"] = await self._serving_again(t_up, lambda r: True)
+                info["recover"] = await self._serving_again(t_up, lambda r: True, probes)
             if name == "scheduler":
-                info["hit_s"] = await self._serving_again(t_up, lambda r: r.cached > 0)
+                info["hit_s"] = await self._serving_again(t_up, lambda r: r.cached > 0, probes)
             await asyncio.sleep(1.0)  # a second of load after recovery
 
         results = await self._load_during(inject)
@@ -518,7 +526,7 @@ class Suite:
         for key in ("streams", "inflight"):
             if key in info:
                 extra += await asyncio.gather(*info[key])
-        row.add(results + extra)
+        row.add(results + extra + probes)
         t_up = info.get("t_up")
         row.recover_s = info.get("recover")
         notes = [
