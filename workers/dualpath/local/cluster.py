@@ -143,7 +143,7 @@ class LocalCluster:
         log_level: str = "INFO",
         fresh_storage: bool = False,
         storage_dir: str | Path | None = None,
-        zygote: bool = True,
+        zygote: bool = False,
     ) -> None:
         """`grace_s`: SIGTERM to SIGKILL (default: the pods' grace, spec.workers.drainSeconds
         plus the stop margin). `storage_dir`: the local directory that backs the storage volume,
@@ -151,7 +151,8 @@ class LocalCluster:
         (resolved, and written so into cluster.yaml); a directory apart from spec.storage.path
         runs the deployed topology exactly: no other process can reach the store. `zygote`: a
         crashed worker or scheduler is restarted forked from a warm process that has done
-        their imports (`dualpath.local.zygote`), not started afresh."""
+        their imports (`dualpath.local.zygote`), not started afresh (`dualpath up`; off for
+        benchmarks and tests, where its imports would compete for the CPU)."""
         self.zygote = zygote
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
