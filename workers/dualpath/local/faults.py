@@ -581,7 +581,12 @@ class Suite:
         finally:
             undo()
         row.add(results)
-        how = "EROFS (read-only bind mount)" if self.mounted else "EACCES (chmod a-w, not root)"
+        if self.mounted:
+            how = "EROFS (read-only bind mount)"
+        elif os.geteuid() == 0:
+            how = "chmod a-w, which root ignores: NOT a read-only store here (no mount allowed)"
+        else:
+            how = "EACCES (chmod a-w, not root)"
         hits = sum(1 for r in results if r.cached)
         row.note = f"{how}; {hits} turns read hits, new blocks not written"
         return row
