@@ -316,10 +316,8 @@ class Client:
             res.empty = not choice.get("finish_reason") or (
                 not ids and choice.get("finish_reason") == "length"
             )
-            ref = self.refs.get(i)
-            res.wrong = ref is not None and len(ref[0]) == len(ids) and ref[0] != ids
-            if ref is not None and len(ref[0]) != len(ids) and max_tokens == len(ref[0]):
-                res.wrong = True
+            ref = self.refs.get(i)  # judged when asked for as many tokens as the reference
+            res.wrong = ref is not None and max_tokens == GEN_TOKENS and ids != ref[0]
             return
         async with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -353,7 +351,7 @@ class Client:
             res.kind = "ok"
             res.empty = not finish or (not text and finish == "length")
             ref = self.refs.get(i)
-            res.wrong = ref is not None and max_tokens == len(ref[0]) and ref[1] != text
+            res.wrong = ref is not None and max_tokens == GEN_TOKENS and ref[1] != text
         else:
             res.kind, res.error = "lost", "stream ended without [DONE] or an error event"
 
@@ -367,10 +365,11 @@ class Client:
             except Exception:  # noqa: BLE001 (a body that is not our JSON error: still refused)
                 res.error = f"HTTP {r.status_code}"
 
-    async def learn(self, ids: range, max_tokens: int = GEN_TOKENS) -> None:
-        """Reference answers: each prompt's first turn, a recompute (nothing read)."""
+    async def learn(self, ids: range) -> None:
+        """Reference answers: each prompt's first turn (GEN_TOKENS), a recompute (nothing
+        read)."""
         for i in ids:
-            r = await self.http.post("/v1/completions", json=self.body(i, max_tokens))
+            r = await self.http.post("/v1/completions", json=self.body(i, GEN_TOKENS))
             r.raise_for_status()
             obj = r.json()
             if obj["usage"].get("cached_tokens", 0):
