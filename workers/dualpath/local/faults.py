@@ -260,7 +260,9 @@ class Client:
         self.http = httpx.AsyncClient(
             base_url=base,
             timeout=httpx.Timeout(deadline_s, connect=5.0),
-            limits=httpx.Limits(max_connections=400, max_keepalive_connections=50),
+            # a connection per request: no reuse of one the server is closing as idle (a
+            # keep-alive race of the client's, not a fault of the cluster's)
+            limits=httpx.Limits(max_connections=400, max_keepalive_connections=0),
         )
 
     async def close(self) -> None:
@@ -408,9 +410,12 @@ class Row:
     recover_s: float | None = None
     note: str = ""
     bars: list[str] = field(default_factory=list)  # bars this row missed (empty: all held)
+    first_bad: str = ""  # the first lost or hung answer's error, for the note
 
     def add(self, results: list[Result], bad_input: bool = False) -> None:
         for r in results:
+            if r.kind in ("lost", "hung") and not self.first_bad:
+                self.first_bad = f"first {r.kind}: {r.error[:120]}"
             self.sent += 1
             if r.kind == "ok":
                 self.succeeded += 1
@@ -426,6 +431,8 @@ class Row:
                 self.bad_input_5xx += 1
 
     def judge(self) -> None:
+        if self.first_bad:
+            self.note = f"{self.note}; {self.first_bad}" if self.note else self.first_bad
         for name in ("lost", "hung", "wrong", "empty", "bad_input_5xx"):
             if getattr(self, name):
                 self.bars.append(f"{name}={getattr(self, name)}")

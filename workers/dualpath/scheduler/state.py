@@ -72,6 +72,8 @@ class InFlight:
     request: RouteRequest
     decision: Decision
     routed_at_s: float
+    # node -> the incarnation it was routed to: the outcome says nothing of a later process
+    incarnations: dict[str, str] | None = None
 
 
 class SchedulerState:
@@ -350,7 +352,9 @@ class SchedulerState:
         if decision is None:
             return None
         account(self.view, request, decision)
-        self.in_flight[request.request_id] = InFlight(request, decision, self.clock())
+        pair = (decision.prefill_node, decision.decode_node)
+        incarnations = {n: self.nodes[n].incarnation for n in pair if n in self.nodes}
+        self.in_flight[request.request_id] = InFlight(request, decision, self.clock(), incarnations)
         for node_id in {decision.prefill_node, decision.decode_node}:
             self._routed[node_id] = self._routed.get(node_id, 0) + 1
         self.routed_total += 1
@@ -365,7 +369,8 @@ class SchedulerState:
     ) -> InFlight | None:
         """End a routed request; a failure (not a cancel) counts against the node it came
         from (`failed_node`, when it is of the pair) or else both nodes of its pair; a success
-        closes their breakers."""
+        closes their breakers. An outcome of a node's earlier incarnation (routed before a
+        restart, completed after the new process registered) counts against neither."""
         done = self.in_flight.pop(request_id, None)
         if done is None:
             return done
@@ -379,6 +384,10 @@ class SchedulerState:
         if cancelled:
             return done
         for node_id in pair if ok or failed_node not in pair else (failed_node,):
+            rec = self.nodes.get(node_id)
+            routed_to = (done.incarnations or {}).get(node_id)
+            if rec is not None and routed_to is not None and rec.incarnation != routed_to:
+                continue  # a request of the process before a restart: not this one's record
             self._outcome(node_id, ok)
         return done
 
