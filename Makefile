@@ -51,7 +51,10 @@ e2e: $(STAMP) tools ## operator against a real API server: make e2e KUBECONFIG=~
 bench: $(STAMP) ## run all benchmarks, JSON to out/bench/
 	bash bench/run_all.sh
 
+faults: $(STAMP) ## inject faults into a local cluster (kills, bad blocks, full/read-only store, fuzz, SIGINT); table of outcomes
+	$(BIN)/dualpath faults $(FAULTS_ARGS)
+
 clean: ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache out build *.egg-info
 
-.PHONY: help venv proto demo test lint fmt bench clean crds tools e2e
+.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e

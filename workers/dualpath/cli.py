@@ -40,6 +40,12 @@ def _up() -> ModuleType:
     return cli
 
 
+def _faults() -> ModuleType:
+    from dualpath.local import faults
+
+    return faults
+
+
 def _sim() -> ModuleType:
     from dualpath.sim import cli
 
@@ -128,6 +134,9 @@ def _bench_local() -> ModuleType:
 COMMANDS: dict[str, Command] = {
     "demo": Command("run the main job on the embedded local default", _demo),
     "up": Command("start a local cluster (scheduler, workers, frontend) as processes", _up),
+    "faults": Command(
+        "inject faults into a local cluster and tabulate what its clients saw", _faults
+    ),
     "sim": Command("cluster-scale discrete-event simulation of the policies", _sim),
     "trace": Command("import real traces (claude-code, mooncake); print stats", _trace),
     "plan": Command("size P:D from a trace with the simulator, per policy", _plan),

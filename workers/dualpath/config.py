@@ -646,7 +646,19 @@ class SchedulerSpec(_Model):
     heartbeat_interval_ms: int = Field(default=20, ge=1, le=10_000)
     """How often each worker reports its load."""
     node_timeout_ms: int = Field(default=2000, ge=10, le=600_000)
-    """A worker silent this long is dropped; more than twice heartbeatIntervalMs."""
+    """A worker silent this long leaves the pool (gets no requests); more than twice
+    heartbeatIntervalMs. Silent five times this long, it is forgotten: dropped from the view
+    until its process registers again."""
+    breaker_failures: int = Field(default=3, ge=1, le=1000)
+    """Failed requests in a row (client cancels never count) that open a node's circuit
+    breaker: no requests are routed to it (never to the last available node of its role)."""
+    max_in_flight_per_node: int = Field(default=0, ge=0, le=1_000_000)
+    """Requests routed to one node and not completed yet, at most (0: no cap). A request that
+    finds every node at the cap waits in the scheduler's queue and is then refused (HTTP 429
+    with Retry-After): an overload burst is shed instead of queued past clients' deadlines."""
+    breaker_open_seconds: float = Field(default=5.0, gt=0, le=3600)
+    """How long an open breaker keeps its node out before one probe request may go there
+    (half-open): a success closes it, a failure opens it for this long again."""
     port: int = Field(default=50051, ge=1, le=65535)
     """gRPC port of the scheduler (not the metrics port 9090)."""
 

@@ -176,7 +176,8 @@ class _WithToken:
         self._call = multicallable
         self._token = token
 
-    def __call__(self, request, *, metadata=None, **kwargs):  # noqa: ANN001, ANN204
+    def __call__(self, request=None, *, metadata=None, **kwargs):  # noqa: ANN001, ANN204
+        # request None: a streaming call written with `call.write()` (grpc.aio's own default)
         header = ("authorization", f"Bearer {self._token.first}")
         return self._call(request, metadata=(*(metadata or ()), header), **kwargs)
 

@@ -78,7 +78,7 @@ class ObservabilityServer:
                     self.end_headers()
                     self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
-                    pass  # the prober or scraper hung up (its own timeout): nothing to answer
+                    pass  # the prober gave up first (its timeout): nothing to tell anyone
 
             def log_message(self, *args: object) -> None:  # scrapes are not events
                 return

@@ -212,3 +212,46 @@ def test_a_child_that_keeps_crashing_is_given_up_after_bounded_restarts() -> Non
         gave_up: list = []
         assert _wait_for(lambda: bool(gave_up.extend(sup.heal()) or gave_up), 20)
         assert gave_up == [("doomed", 7)] and sup.restarts["doomed"] == 2
+
+
+def test_a_restart_forks_from_the_zygote_with_its_imports_done_and_stops_clean() -> None:
+    """A crashed `dualpath.cli` process is restarted as a fork of the warm zygote (no import
+    time), serves again, is signalled and reaped like a child, and stop() leaves nothing."""
+    from dualpath.local.supervisor import RestartPolicy
+    from dualpath.local.zygote import Zygote, ZygoteProc
+
+    port, metrics = free_port(), free_port()
+    argv = [sys.executable, "-m", "dualpath.cli", "--log-level=INFO", "scheduler"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics)]
+    spec = ProcSpec(
+        "scheduler",
+        argv,
+        health_url=f"http://127.0.0.1:{metrics}/readyz",
+        ready_timeout_s=120,
+        fork_restart=True,
+    )
+    sink = io.StringIO()
+    sup = Supervisor(grace_s=5, sink=sink, restart=RestartPolicy(base_s=0.05))
+    with sup:
+        sup.start([spec])
+        sup.zygote = zygote = Zygote()
+        assert zygote.ready(180), "zygote did not finish its imports"
+        first = sup.children[0].proc
+        os.killpg(first.pid, 9)
+        assert _wait_for(lambda: not sup.heal() and sup.restarts.get("scheduler") == 1, 20)
+        forked = sup.children[0].proc
+        assert isinstance(forked, ZygoteProc) and forked.pid != first.pid
+        t0 = time.monotonic()
+        sup.wait_ready(["scheduler"])
+        took = time.monotonic() - t0
+        assert took < 30, took  # no import: the fork only starts the server
+        assert "READY scheduler" in sink.getvalue().split("scheduler serving")[-1]
+        os.kill(forked.pid, 9)  # its exit is reported through the zygote
+        assert _wait_for(lambda: forked.poll() == -9, 10)
+        assert not sup.heal()
+        assert _wait_for(lambda: not sup.heal() and sup.restarts.get("scheduler") == 2, 20)
+        again = sup.children[0].proc
+        sup.wait_ready(["scheduler"])
+        pids = [again.pid, zygote.proc.pid]
+    assert again.poll() is not None  # stopped by SIGTERM through the zygote's report
+    assert _wait_for(lambda: not any(_alive(p) for p in pids), 10)

@@ -81,3 +81,23 @@ def test_well_formed_requests_have_no_problem() -> None:
     assert register_request_problem(reg) is None
     v6 = pb.RegisterRequest(**{**GOOD_REG, "address": "[::1]:50051"})
     assert register_request_problem(v6) is None
+
+
+HEARTBEAT_CASES = [
+    (pb.Heartbeat(node_id="", load=pb.NodeLoad()), "node_id"),
+    (pb.Heartbeat(node_id="d0", load=pb.NodeLoad(tokens_queued=-1)), "load.tokens_queued"),
+    (pb.Heartbeat(node_id="d0", load=pb.NodeLoad(requests_running=-2)), "load.requests_running"),
+    (pb.Heartbeat(node_id="d0", load=pb.NodeLoad(buffer_free_bytes=2**62)), "buffer_free_bytes"),
+]
+
+
+@pytest.mark.parametrize(("beat", "name"), HEARTBEAT_CASES)
+async def test_heartbeat_refuses_out_of_range_loads(stub, beat, name) -> None:
+    await stub.Register(pb.RegisterRequest(**GOOD_REG), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Heartbeats(iter([beat]), timeout=5):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert name in err.value.details()
+    view = await stub.ClusterView(pb.ClusterViewRequest(), timeout=5)
+    assert [n.load.tokens_queued for n in view.nodes] == [0]  # the bad load was not taken

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 class FakeDecode(wpb_grpc.WorkerServicer):
     """`fail`: "instant" (UNAVAILABLE before any token), "midway" (after 2 tokens), "cut" (the
-    stream ends after 2 tokens with status OK but no finish reason), "" (ok); `delay_s`
-    between tokens."""
+    stream ends after 2 tokens with status OK but no finish reason), "hang" (no answer), ""
+    (ok); `delay_s` between tokens."""
 
     def __init__(self, fail: str = "", delay_s: float = 0.0) -> None:
         self.fail, self.delay_s, self.calls = fail, delay_s, 0
@@ -31,6 +31,8 @@ class FakeDecode(wpb_grpc.WorkerServicer):
         self.calls += 1
         if self.fail == "instant":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine is gone")
+        if self.fail == "hang":  # a node that takes the call and never answers
+            await asyncio.sleep(3600)
         for i in range(request.max_new_tokens):
             if self.fail == "midway" and i == 2:
                 await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
@@ -243,3 +245,24 @@ async def test_a_duplicate_agent_waits_refused_then_replaces_the_stopped_one(clu
         assert state.nodes["d9"].incarnation == second.incarnation
     finally:
         await second.stop()
+
+
+async def test_a_hung_node_is_blamed_at_the_deadline_a_slow_one_is_not(cluster):
+    """DEADLINE_EXCEEDED before any token: the decode node hung (a failure against it); after
+    tokens: it was serving, only slow (no blame); neither is a cancel of the client's."""
+    hung = await cluster["add_decode"]("d0", FakeDecode(fail="hang"))
+    await cluster["add_decode"]("d1", FakeDecode(delay_s=0.5))
+    await _ready(cluster["addr"], 3)
+    backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=0.8)
+    await backend.start()
+    state = cluster["sched"].servicer.state
+    try:
+        for i in range(8):
+            with pytest.raises(BackendError):
+                await _turn(backend, i, tokens=4)  # d0: no token; d1: too slow for 0.8 s
+        assert await _settle(state) == 0
+        assert hung.calls >= 1
+        assert state.breakers["d0"].failures >= 1 or state.breakers["d0"].open
+        assert "d1" not in state.breakers or state.breakers["d1"].failures == 0
+    finally:
+        await backend.close()

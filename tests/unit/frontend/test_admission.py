@@ -214,61 +214,11 @@ async def test_requests_counted_by_final_outcome(client: httpx.AsyncClient) -> N
     assert 'outcomes_total{endpoint="completions",outcome="invalid_parameter"} 1.0' in m
 
 
-def _fuzz_cases(n: int, seed: int = 19) -> list[tuple[str, bytes]]:
-    """`n` seeded mutations of valid requests: one field (or an unknown one) set to an odd
-    value, sometimes streamed."""
-    import random
-
-    rng = random.Random(seed)
-    odd = [
-        LONE,
-        "ok" + LONE + "ok",
-        "\udfff",
-        "",
-        "x" * 5000,
-        "héllo ✓ 😀",
-        None,
-        True,
-        0,
-        -1,
-        2**31,
-        2**63,
-        -(2**63),
-        10**30,
-        1.5,
-        -0.0,
-        float("nan"),
-        float("inf"),
-        [],
-        [1, 2, 3],
-        [LONE],
-        [[[[[]]]]],
-        {},
-        {"a": LONE},
-        json.loads("[" * 60 + "]" * 60),
-        [{"role": "user", "content": LONE}],
-        [{"role": "robot", "content": "x"}],
-        [{"role": "user"}],
-        [{"role": "user", "content": ["x"]}],
-    ]
-    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "stream", "stop"]
-    fields += ["session_id", "user", "n", "cache_salt", LONE, "extra"]
-    out = []
-    for _ in range(n):
-        chat = rng.random() < 0.5
-        body: dict = dict(CHAT if chat else COMPLETION)
-        body[rng.choice(fields)] = rng.choice(odd)
-        if rng.random() < 0.3:
-            body[rng.choice(fields)] = rng.choice(odd)
-        if rng.random() < 0.5:
-            body.setdefault("stream", True)
-        out.append(("chat" if chat else "completions", json.dumps(body).encode()))
-    return out
-
-
 async def test_fuzz_never_answers_5xx(client: httpx.AsyncClient) -> None:
     seen: dict[int, int] = {}
-    for endpoint, body in _fuzz_cases(320):
+    from dualpath.local.fuzz import http_cases  # the cases `dualpath faults` sends too
+
+    for endpoint, body in http_cases(320, MODEL):
         r = await client.post(
             f"/v1/{'chat/' if endpoint == 'chat' else ''}completions",
             content=body,

@@ -126,3 +126,37 @@ def test_a_failure_naming_its_node_counts_against_that_node_only():
     assert st.breakers.get("p0") is None or st.breakers["p0"].failures == 0
     assert st.breakers.get("p1") is None or st.breakers["p1"].failures == 0
     assert st.open_breakers() >= 1  # a decode node's
+
+
+def test_a_node_at_its_in_flight_cap_takes_no_more_until_one_completes():
+    st = SchedulerState(
+        get_policy("dualpath"), Thresholds(), node_timeout_s=60.0, max_in_flight_per_node=2
+    )
+    st.register(NodeState("p0", "prefill"), "a:1")
+    for d in ("d0", "d1"):
+        st.register(NodeState(d, "decode"), f"b:{d}")
+    first, second = route(st), route(st)
+    assert first and second and route(st) is None  # p0 holds 2: every pair is at the cap
+    assert st.routed_in_flight("p0") == 2
+    st.complete(first.request_id, cancelled=True)  # a cancel frees its slot too
+    third = route(st)
+    assert third is not None and route(st) is None
+    for d in (second, third):
+        st.complete(d.request_id)
+    assert st.routed_in_flight("p0") == 0 and not st._routed
+
+
+def test_failures_of_a_restarted_nodes_old_process_do_not_count_against_the_new_one():
+    st = SchedulerState(get_policy("dualpath"), Thresholds(), node_timeout_s=60.0)
+    st.register(NodeState("p0", "prefill"), "a:1", incarnation="p")
+    st.register(NodeState("d0", "decode"), "b:1", incarnation="old")
+    st.register(NodeState("d1", "decode"), "b:2", incarnation="x")
+    st.nodes["d1"].state.healthy = False  # every request goes to d0
+    routed = [route(st) for _ in range(3)]
+    assert {d.decode_node for d in routed} == {"d0"}
+    st.nodes["d0"].state.draining = True  # the old process is gone; a new one registers
+    st.register(NodeState("d0", "decode"), "b:1", incarnation="new")
+    for d in routed:  # the old process's turns complete (failed) after the new registration
+        st.complete(d.request_id, ok=False, failed_node="d0")
+    assert "d0" not in st.breakers or st.breakers["d0"].failures == 0
+    assert not st.in_flight and st.routed_in_flight("d0") == 0

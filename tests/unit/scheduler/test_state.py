@@ -50,3 +50,46 @@ def test_route_assigns_ids_and_tracks_in_flight():
     assert d.request_id and d.request_id in st.in_flight
     assert st.complete(d.request_id) is not None
     assert st.complete(d.request_id) is None  # idempotent: unknown ids are fine
+
+
+def test_a_silent_node_is_forgotten_after_five_node_timeouts_and_may_register_again():
+    clock = Clock()
+    st = make(clock)  # node timeout 1 s
+    st.drain("p1")
+    clock.t = 4.9
+    for n in ("p0", "d0"):
+        st.heartbeat(n, 0, 0, 0, 0, 1 << 40, False)
+    assert st.forget_silent() == []  # p1 is out of the pool, still listed
+    clock.t = 5.1
+    assert st.forget_silent() == ["p1"]
+    assert "p1" not in st.nodes and "p1" not in st.drained
+    assert [n.node_id for n in st.view.prefill] == ["p0"]
+    assert not st.heartbeat("p1", 0, 0, 0, 0, 1 << 40, False)  # told to register again
+    st.register(NodeState("p1", "prefill"), "a:2")
+    assert st.nodes["p1"].state.healthy
+
+
+def test_a_closed_heartbeat_stream_takes_its_node_out_at_once_unless_a_newer_one_runs():
+    st = make(Clock())
+    old = st.stream_opened("p0")
+    assert st.stream_opened("nope") is None
+    new = st.stream_opened("p0")  # the node re-registered and heartbeats on a new stream
+    assert not st.stream_closed("p0", old) and st.nodes["p0"].state.healthy
+    assert st.stream_closed("p0", new)
+    assert not st.nodes["p0"].state.healthy
+    assert all(st.route(req()).prefill_node == "p1" for _ in range(5))
+    st.heartbeat("p0", 0, 0, 0, 0, 1 << 40, False)  # back on its next heartbeat
+    assert st.nodes["p0"].state.healthy
+
+
+def test_breaker_defaults_are_the_spec_defaults():
+    from dualpath.config import SchedulerSpec
+    from dualpath.scheduler.state import BREAKER_COOLDOWN_S, BREAKER_FAILURES
+
+    spec = SchedulerSpec()
+    assert (BREAKER_FAILURES, BREAKER_COOLDOWN_S) == (
+        spec.breaker_failures,
+        spec.breaker_open_seconds,
+    )
+    st = SchedulerState(get_policy("dualpath"), Thresholds(), node_timeout_s=2.0)
+    assert st.forget_after_s == 10.0

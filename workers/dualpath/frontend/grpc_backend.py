@@ -160,7 +160,10 @@ class GrpcBackend:
                 return
             except grpc.aio.AioRpcError as err:
                 code = err.code()
-                cancelled = code not in _NODE_FAULTS
+                # the turn's deadline passed before the node sent anything: the node hung (a
+                # slow one has started streaming); a client's cancel is never an AioRpcError
+                hung = code == grpc.StatusCode.DEADLINE_EXCEEDED and not started
+                cancelled = code not in _NODE_FAULTS and not hung
                 # the decode node names the side that failed; a call that failed to connect
                 # (or a node that says nothing) is the decode node's own failure
                 trailer = dict(err.trailing_metadata() or ())

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: spec.storage.path)",
     )
     parser.add_argument("--fresh", action="store_true", help="empty the storage directory first")
+    parser.add_argument(
+        "--no-zygote",
+        action="store_true",
+        help="restart a crashed worker or scheduler as a fresh process, not as a fork of a "
+        "warm process that has done its imports (dualpath.local.zygote)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         fresh_storage=args.fresh,
         storage_dir=args.storage_dir,
+        zygote=not args.no_zygote,
     )
     stop = cluster.supervisor.abort  # Ctrl-C during start aborts the start too
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -115,12 +115,12 @@ def process_specs(
         extra = LOCAL_WORKER_ENV if component.role else {}
         return ProcSpec(name, local_argv(cmd, log_level), env={**cmd.env, **extra}, **kw), at
 
-    sched, at = spec(Component.SCHEDULER, ready_timeout_s=60)
+    sched, at = spec(Component.SCHEDULER, ready_timeout_s=60, fork_restart=True)
     ep.scheduler_health = sched.health_url = f"http://{LOCAL_HOST}:{at.metrics_port}/readyz"
     specs = [sched]
     for component in (Component.PREFILL, Component.DECODE):
         for i in range(cfg.spec.pool(component.role).replicas):
-            worker, at = spec(component, i, ready_timeout_s=180, stop_wave=1)
+            worker, at = spec(component, i, ready_timeout_s=180, stop_wave=1, fork_restart=True)
             worker.health_url = ep.workers[at.node_id] = (
                 f"http://{LOCAL_HOST}:{at.metrics_port}/readyz"
             )
@@ -144,12 +144,17 @@ class LocalCluster:
         log_level: str = "INFO",
         fresh_storage: bool = False,
         storage_dir: str | Path | None = None,
+        zygote: bool = False,
     ) -> None:
         """`grace_s`: SIGTERM to SIGKILL (default: the pods' grace, spec.workers.drainSeconds
         plus the stop margin). `storage_dir`: the local directory that backs the storage volume,
         given to the processes that mount it (the workers). By default it is spec.storage.path
         (resolved, and written so into cluster.yaml); a directory apart from spec.storage.path
-        runs the deployed topology exactly: no other process can reach the store."""
+        runs the deployed topology exactly: no other process can reach the store. `zygote`: a
+        crashed worker or scheduler is restarted forked from a warm process that has done
+        their imports (`dualpath.local.zygote`), not started afresh (`dualpath up`; off for
+        benchmarks and tests, where its imports would compete for the CPU)."""
+        self.zygote = zygote
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         storage = Path(cfg.spec.storage.path if storage_dir is None else storage_dir)
@@ -190,6 +195,10 @@ class LocalCluster:
                 self.supervisor.spawn(w)
             self.supervisor.wait_ready([w.name for w in workers])
             self.supervisor.start([frontend])
+            if self.zygote:  # warm from now on: a crashed worker or scheduler restarts fast
+                from dualpath.local.zygote import Zygote
+
+                self.supervisor.zygote = Zygote(env=LOCAL_WORKER_ENV)
         except BaseException:
             self.supervisor.stop()
             raise

@@ -84,6 +84,9 @@ class ProcSpec:
     # SIGTERM to SIGKILL for this process, counted from its own wave's SIGTERM (None: the
     # supervisor's grace); a slow wave never eats the grace of the next one
     grace_s: float | None = None
+    # a restart is forked from the supervisor's zygote (its imports done) when it has one;
+    # only for `python -m dualpath.cli ...` commands
+    fork_restart: bool = False
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stopping = False
         self.abort = threading.Event()  # set (e.g. from a signal handler) to abandon a start
+        self.zygote = None  # a dualpath.local.zygote.Zygote: restarts fork from it
 
     def __enter__(self) -> Supervisor:
         return self
@@ -161,21 +165,32 @@ class Supervisor:
         self.children.append(_Child(spec, proc, pump, time.monotonic()))
         return proc
 
-    def _launch(self, spec: ProcSpec) -> tuple[subprocess.Popen, threading.Thread]:
+    def _launch(
+        self, spec: ProcSpec, restart: bool = False
+    ) -> tuple[subprocess.Popen, threading.Thread]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
-        proc = subprocess.Popen(
-            spec.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # own process group: signals reach its children
-        )
+        proc = None
+        entry = spec.argv[1:3] == ["-m", "dualpath.cli"]
+        if restart and spec.fork_restart and entry and self.zygote is not None:
+            try:
+                proc = self.zygote.fork(spec.argv[3:], env)
+            except OSError as err:
+                log.warning("%s: no fork from the zygote (%s): starting it afresh", spec.name, err)
+        how = "forked from the zygote" if proc is not None else "started"
+        if proc is None:
+            proc = subprocess.Popen(
+                spec.argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # own process group: signals reach its children
+            )
         pump = threading.Thread(
             target=self._pump, args=(spec.name, proc.stdout), name=f"log-{spec.name}", daemon=True
         )
         pump.start()
-        log.info("started %s (pid %d)", spec.name, proc.pid)
+        log.info("%s %s (pid %d)", how, spec.name, proc.pid)
         return proc, pump
 
     def heal(self) -> list[tuple[str, int]]:
@@ -212,7 +227,7 @@ class Supervisor:
             elif now >= c.restart_at_s:
                 _signal_group(c.proc, signal.SIGKILL)  # what it left in its group
                 c.pump.join(timeout=1)
-                c.proc, c.pump = self._launch(c.spec)
+                c.proc, c.pump = self._launch(c.spec, restart=True)
                 c.started_s, c.restart_at_s = now, None
                 self.restarts[c.spec.name] = self.restarts.get(c.spec.name, 0) + 1
         return gave_up
@@ -288,6 +303,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 log.error("%s (pid %d) survived SIGKILL", c.spec.name, c.proc.pid)
             c.pump.join(timeout=2)
+        if self.zygote is not None:
+            self.zygote.close()
         log.info("stopped %d processes", len(self.children))
 
 

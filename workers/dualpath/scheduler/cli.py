@@ -47,6 +47,9 @@ def build(
         node_timeout_s=s.node_timeout_ms / 1000.0,
         cnic_bytes_per_s=cnic,
         block_tokens=cfg.spec.model.block_tokens,
+        breaker_failures=s.breaker_failures,
+        breaker_cooldown_s=s.breaker_open_seconds,
+        max_in_flight_per_node=s.max_in_flight_per_node,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
     return SchedulerServer(servicer, host, port, token)

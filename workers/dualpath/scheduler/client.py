@@ -112,11 +112,31 @@ class Registration:
     config_hash: str = ""
 
 
+class _CurrentStub:
+    """The agent's stub of the moment, for every holder (the KV event publisher): a channel
+    replaced after a lost scheduler is used by all of them at once."""
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self._agent = agent
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._agent._stub, name)
+
+
+# Re-registration backoff: from REGISTER_BACKOFF_S, doubling, at most REGISTER_BACKOFF_MAX_S.
+REGISTER_BACKOFF_S = 0.05
+REGISTER_BACKOFF_MAX_S = 0.5
+
+
 class NodeAgent:
     """Keeps one worker registered and heartbeating. `load()` returns the node's `NodeLoad`.
 
     On a stream error or a `known=False` ack (scheduler restarted and lost its view) it
-    registers again, with bounded, logged backoff. `stop()` ends the task.
+    registers again, with bounded, logged backoff (at most REGISTER_BACKOFF_MAX_S between
+    tries). A scheduler that stops acknowledging heartbeats for its node timeout (hung, or its
+    host gone without closing the connection) counts as lost too: the stream is cancelled, the
+    channel replaced (a new connection, a fresh name resolution) and the node registers
+    again. `stop()` ends the task.
     """
 
     def __init__(
@@ -134,8 +154,14 @@ class NodeAgent:
         self.load = load
         self.interval_s = interval_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.address = scheduler_address
+        self._token = token
         self._channel = channel(scheduler_address, token)
-        self.stub = pb_grpc.SchedulerStub(self._channel)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self.stub = _CurrentStub(self)
+        # no ack for this long: the scheduler is lost (its RegisterResponse's node timeout)
+        self.ack_timeout_s = 2.0
+        self.lost = 0  # schedulers given up on for want of acks
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self.registrations = 0
@@ -150,7 +176,7 @@ class NodeAgent:
 
     async def _register(self) -> None:
         role = ROLE_TO_PB[self.reg.role]
-        resp = await self.stub.Register(
+        resp = await self._stub.Register(
             pb.RegisterRequest(
                 node_id=self.reg.node_id,
                 role=role,
@@ -171,6 +197,8 @@ class NodeAgent:
         self.refusals = 0
         if resp.heartbeat_interval_ms:
             self.interval_s = resp.heartbeat_interval_ms / 1000.0
+        if resp.node_timeout_ms:
+            self.ack_timeout_s = max(resp.node_timeout_ms / 1000.0, 3 * self.interval_s)
         log.info("registered %s with the scheduler (#%d)", self.reg.node_id, self.registrations)
 
     async def _beats(self):
@@ -183,13 +211,36 @@ class NodeAgent:
             except TimeoutError:
                 pass
 
+    async def _acks(self):
+        """The heartbeat stream's acks; TimeoutError when none came for `ack_timeout_s`."""
+        call = self._stub.Heartbeats(self._beats())
+        try:
+            while True:
+                ack = await asyncio.wait_for(call.read(), timeout=self.ack_timeout_s)
+                if ack is grpc.aio.EOF:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        "the scheduler ended the heartbeat stream",
+                    )
+                yield ack
+        finally:
+            call.cancel()
+
+    async def _reconnect(self) -> None:
+        """A new channel: the old connection may be to a hung process or a host gone."""
+        old, self._channel = self._channel, channel(self.address, self._token)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        await old.close()
+
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = REGISTER_BACKOFF_S
         while not self._stopping.is_set():
             try:
                 await self._register()
-                backoff = 0.05
-                async for ack in self.stub.Heartbeats(self._beats()):
+                backoff = REGISTER_BACKOFF_S
+                async for ack in self._acks():
                     if ack.kv_snapshot_id and self.on_kv_snapshot is not None:
                         self.on_kv_snapshot(ack.kv_snapshot_id)
                     if not ack.known:
@@ -201,6 +252,18 @@ class NodeAgent:
             except asyncio.CancelledError:
                 self.registered = False
                 raise
+            except TimeoutError:
+                self.registered = False
+                if self._stopping.is_set():
+                    break
+                self.lost += 1
+                log.warning(
+                    "no heartbeat ack from the scheduler for %.1fs: lost; %s registers again "
+                    "on a new connection",
+                    self.ack_timeout_s,
+                    self.reg.node_id,
+                )
+                await self._reconnect()
             except grpc.aio.AioRpcError as err:
                 self.registered = False
                 if self._stopping.is_set():
@@ -221,12 +284,12 @@ class NodeAgent:
             if self._stopping.is_set():
                 break
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            backoff = min(backoff * 2, REGISTER_BACKOFF_MAX_S)
 
     async def drain(self) -> int:
         """Tell the scheduler this node drains (idempotent); returns the requests routed to it
         and not completed yet."""
-        resp = await self.stub.Drain(
+        resp = await self._stub.Drain(
             pb.DrainRequest(node_id=self.reg.node_id), timeout=self.rpc_timeout_s
         )
         return resp.routed_in_flight

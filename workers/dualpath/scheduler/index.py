@@ -25,6 +25,7 @@ wrong output.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from array import array
 from bisect import bisect_left
@@ -241,6 +242,13 @@ class BlockIndex:
         log = snap.log if snap is not None else {}  # from the first request on: a superset
         self._snapshot = _Snapshot(next(self._ids), node, now_s, log)
         return self._snapshot.snapshot_id
+
+    def snapshot_lost(self, node: str) -> None:
+        """`node` left the pool: a scan awaited from it is asked of the next node that
+        heartbeats, not after `snapshot_timeout_s` (what it sent meanwhile is kept)."""
+        snap = self._snapshot
+        if snap is not None and snap.node == node:
+            snap.requested_s = -math.inf
 
     @property
     def pending_snapshot(self) -> tuple[int, str] | None:

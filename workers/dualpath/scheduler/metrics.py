@@ -65,3 +65,11 @@ REGISTRATIONS_REFUSED = Counter(
     "dualpath_scheduler_registrations_refused_total",
     "Registrations refused: the node id is alive under another incarnation",
 )
+NODES_FORGOTTEN = Counter(
+    "dualpath_scheduler_nodes_forgotten_total",
+    "Nodes dropped from the view after staying silent (ghosts of processes gone for good)",
+)
+HEARTBEATS_REFUSED = Counter(
+    "dualpath_scheduler_heartbeats_refused_total",
+    "Heartbeat streams ended with INVALID_ARGUMENT (a load field out of range)",
+)

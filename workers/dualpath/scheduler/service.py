@@ -128,23 +128,37 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
 
     async def Heartbeats(self, request_iterator, context):  # noqa: N802
-        async for hb in request_iterator:
-            ld = load_from_pb(hb.load)
-            known = self.state.heartbeat(hb.node_id, **ld._asdict(), incarnation=hb.incarnation)
-            snapshot_id = 0
-            if known:
-                m.NODE_READ_PENDING.labels(hb.node_id).set(ld.read_pending_bytes)
-                m.NODE_TOKENS.labels(hb.node_id).set(ld.tokens_queued + ld.tokens_running)
-                m.NODE_HEALTHY.labels(hb.node_id).set(1)
+        # the stream's end (the worker died or stopped) takes its node out of the pool at once
+        stream: tuple[str, object] | None = None
+        try:
+            async for hb in request_iterator:
+                problem = "node_id is required" if not hb.node_id else load_problem("load", hb.load)
+                if problem is not None:
+                    m.HEARTBEATS_REFUSED.inc()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat: {problem}")
+                ld = load_from_pb(hb.load)
+                known = self.state.heartbeat(hb.node_id, **ld._asdict(), incarnation=hb.incarnation)
+                snapshot_id = 0
+                if known:
+                    if stream is None or stream[0] != hb.node_id:
+                        token = self.state.stream_opened(hb.node_id)
+                        stream = (hb.node_id, token) if token is not None else None
+                    m.NODE_READ_PENDING.labels(hb.node_id).set(ld.read_pending_bytes)
+                    m.NODE_TOKENS.labels(hb.node_id).set(ld.tokens_queued + ld.tokens_running)
+                    m.NODE_HEALTHY.labels(hb.node_id).set(1)
+                    self._notify()
+                    snapshot_id = self.state.index.snapshot_wanted(hb.node_id, self.state.clock())
+                    if snapshot_id:
+                        log.info(
+                            "block index: asking %s for a store scan (snapshot %d)",
+                            hb.node_id,
+                            snapshot_id,
+                        )
+                yield pb.HeartbeatAck(known=known, kv_snapshot_id=snapshot_id)
+        finally:
+            if stream is not None and self.state.stream_closed(*stream):
+                m.NODE_HEALTHY.labels(stream[0]).set(0)
                 self._notify()
-                snapshot_id = self.state.index.snapshot_wanted(hb.node_id, self.state.clock())
-                if snapshot_id:
-                    log.info(
-                        "block index: asking %s for a store scan (snapshot %d)",
-                        hb.node_id,
-                        snapshot_id,
-                    )
-            yield pb.HeartbeatAck(known=known, kv_snapshot_id=snapshot_id)
 
     async def KvEvents(self, request, context):  # noqa: N802
         try:
@@ -289,6 +303,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         st = self.state
         opens = st.breaker_opens_total
         st.complete(request.request_id, request.ok, request.cancelled, request.failed_node)
+        self._notify()  # a slot freed: routes waiting for room try again now
         m.IN_FLIGHT.set(len(st.in_flight))
         m.COMPLETIONS.labels(
             "ok" if request.ok else "cancelled" if request.cancelled else "failed"
@@ -359,8 +374,16 @@ class SchedulerServer:
         period = max(self.servicer.node_timeout_ms / 4000.0, 0.005)
         while True:
             await asyncio.sleep(period)
-            for node_id in self.servicer.state.expire():
+            state = self.servicer.state
+            for node_id in state.expire():
                 m.NODE_HEALTHY.labels(node_id).set(0)
+            for node_id in state.forget_silent():
+                m.NODES_FORGOTTEN.inc()
+                for gauge in (m.NODE_HEALTHY, m.NODE_READ_PENDING, m.NODE_TOKENS):
+                    try:
+                        gauge.remove(node_id)
+                    except KeyError:
+                        pass
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

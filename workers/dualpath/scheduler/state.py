@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dualpath.config import SchedulerSpec
 from dualpath.scheduler.index import BlockIndex
 from dualpath.scheduler.policy import (
     DEFAULT_CNIC_BYTES_PER_S,
@@ -31,9 +32,13 @@ log = logging.getLogger(__name__)
 # Seconds between warnings about requests refused for want of a pair (each carries the count).
 UNPAIRED_LOG_INTERVAL_S = 5.0
 # Circuit breaker: consecutive failed completions that open a node's breaker, and how long it
-# stays open before one probe request may go there (half-open).
-BREAKER_FAILURES = 3
-BREAKER_COOLDOWN_S = 5.0
+# stays open before one probe request may go there (half-open): spec.scheduler's defaults.
+BREAKER_FAILURES: int = SchedulerSpec.model_fields["breaker_failures"].default
+BREAKER_COOLDOWN_S: float = SchedulerSpec.model_fields["breaker_open_seconds"].default
+# A node silent this many node timeouts is forgotten (dropped from the view, its breaker and
+# drain mark with it): a ghost of a process that is gone for good is not listed forever. Its
+# process, if it comes back, is told it is unknown and registers again.
+FORGET_AFTER_TIMEOUTS = 5
 
 
 class NodeConflict(ValueError):
@@ -56,6 +61,7 @@ class NodeRecord:
     transfer_address: str
     last_seen_s: float
     incarnation: str = ""  # one per process start ("": a client that does not send it)
+    stream: object | None = None  # the heartbeat stream of the moment (a token)
 
     @property
     def config_hash(self) -> str:
@@ -67,6 +73,8 @@ class InFlight:
     request: RouteRequest
     decision: Decision
     routed_at_s: float
+    # node -> the incarnation it was routed to: the outcome says nothing of a later process
+    incarnations: dict[str, str] | None = None
 
 
 class SchedulerState:
@@ -81,7 +89,18 @@ class SchedulerState:
         index: BlockIndex | None = None,
         breaker_failures: int = BREAKER_FAILURES,
         breaker_cooldown_s: float = BREAKER_COOLDOWN_S,
+        forget_after_s: float | None = None,
+        max_in_flight_per_node: int = 0,
     ) -> None:
+        """`forget_after_s`: a node silent this long is dropped (default FORGET_AFTER_TIMEOUTS
+        node timeouts). `max_in_flight_per_node`: a node with this many requests routed and
+        not completed takes no more (0: no cap)."""
+        self.max_in_flight_per_node = max_in_flight_per_node
+        self._routed: dict[str, int] = {}  # node -> requests routed to it, not completed
+        self.forget_after_s = (
+            node_timeout_s * FORGET_AFTER_TIMEOUTS if forget_after_s is None else forget_after_s
+        )
+        self.forgotten_total = 0
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self.breakers: dict[str, Breaker] = {}
@@ -212,6 +231,29 @@ class SchedulerState:
         rec.last_seen_s = self.clock()
         return True
 
+    def stream_opened(self, node_id: str) -> object | None:
+        """A heartbeat stream of a known node started: a token for `stream_closed`."""
+        rec = self.nodes.get(node_id)
+        if rec is None:
+            return None
+        rec.stream = object()
+        return rec.stream
+
+    def stream_closed(self, node_id: str, token: object) -> bool:
+        """The node's heartbeat stream ended (its process died or stopped): out of the pool
+        now rather than after the node timeout, unless a newer stream (a re-registration)
+        replaced it. True when the node left the pool."""
+        rec = self.nodes.get(node_id)
+        if rec is None or rec.stream is not token:
+            return False
+        rec.stream = None
+        if not rec.state.healthy:
+            return False
+        rec.state.healthy = False
+        log.warning("node %s: heartbeat stream closed: out of the pool", node_id)
+        self.index.snapshot_lost(node_id)
+        return True
+
     def drain(self, node_id: str) -> bool:
         rec = self.nodes.get(node_id)
         if rec is None:
@@ -222,7 +264,9 @@ class SchedulerState:
         return True
 
     def expire(self) -> list[str]:
-        """Mark nodes whose heartbeats stopped unhealthy (out of the pool); returns them."""
+        """Mark nodes whose heartbeats stopped unhealthy (out of the pool); returns them. A
+        node whose scan the block index awaits is not asked any longer: the next node that
+        heartbeats is."""
         now = self.clock()
         gone = []
         for node_id, rec in self.nodes.items():
@@ -234,7 +278,36 @@ class SchedulerState:
                     node_id,
                     now - rec.last_seen_s,
                 )
+                self.index.snapshot_lost(node_id)
         return gone
+
+    def forget_silent(self) -> list[str]:
+        """Drop the nodes silent for `forget_after_s` (ghosts of processes gone for good) from
+        the view, with their breaker and drain mark; returns their ids. A request still in
+        flight on one keeps its entry until its Complete."""
+        now = self.clock()
+        ghosts = [
+            node_id
+            for node_id, rec in self.nodes.items()
+            if now - rec.last_seen_s > self.forget_after_s
+        ]
+        for node_id in ghosts:
+            rec = self.nodes.pop(node_id)
+            self.breakers.pop(node_id, None)
+            self._open.discard(node_id)
+            self.drained.discard(node_id)
+            self.index.forget_publisher(node_id)
+            self.forgotten_total += 1
+            log.warning(
+                "node %s (%s at %s) silent for %.0fs: forgotten",
+                node_id,
+                rec.state.role,
+                rec.address,
+                now - rec.last_seen_s,
+            )
+        if ghosts:
+            self._rebuild_view()
+        return ghosts
 
     def _rebuild_view(self) -> None:
         self.view.prefill = [r.state for r in self.nodes.values() if r.state.role == "prefill"]
@@ -259,6 +332,9 @@ class SchedulerState:
                 node = self.view.node(node_id)
                 if node is not None:
                     node.held = False  # half-open: a decision may probe it
+        cap = self.max_in_flight_per_node
+        if cap:
+            exclude = [*exclude, *(n for n, k in self._routed.items() if k >= cap)]
         held = [n for n in map(self.view.node, exclude) if n is not None and not n.held]
         for n in held:
             n.held = True
@@ -277,29 +353,42 @@ class SchedulerState:
         if decision is None:
             return None
         account(self.view, request, decision)
-        self.in_flight[request.request_id] = InFlight(request, decision, self.clock())
+        pair = (decision.prefill_node, decision.decode_node)
+        incarnations = {n: self.nodes[n].incarnation for n in pair if n in self.nodes}
+        self.in_flight[request.request_id] = InFlight(request, decision, self.clock(), incarnations)
+        for node_id in {decision.prefill_node, decision.decode_node}:
+            self._routed[node_id] = self._routed.get(node_id, 0) + 1
         self.routed_total += 1
         return decision
 
     def routed_in_flight(self, node_id: str) -> int:
         """Requests routed to `node_id` (either side) and not completed yet."""
-        return sum(
-            1
-            for f in self.in_flight.values()
-            if node_id in (f.decision.prefill_node, f.decision.decode_node)
-        )
+        return self._routed.get(node_id, 0)
 
     def complete(
         self, request_id: str, ok: bool = True, cancelled: bool = False, failed_node: str = ""
     ) -> InFlight | None:
         """End a routed request; a failure (not a cancel) counts against the node it came
         from (`failed_node`, when it is of the pair) or else both nodes of its pair; a success
-        closes their breakers."""
+        closes their breakers. An outcome of a node's earlier incarnation (routed before a
+        restart, completed after the new process registered) counts against neither."""
         done = self.in_flight.pop(request_id, None)
-        if done is None or cancelled:
+        if done is None:
             return done
         pair = {done.decision.prefill_node, done.decision.decode_node}
+        for node_id in pair:
+            left = self._routed.get(node_id, 0) - 1
+            if left > 0:
+                self._routed[node_id] = left
+            else:
+                self._routed.pop(node_id, None)
+        if cancelled:
+            return done
         for node_id in pair if ok or failed_node not in pair else (failed_node,):
+            rec = self.nodes.get(node_id)
+            routed_to = (done.incarnations or {}).get(node_id)
+            if rec is not None and routed_to is not None and rec.incarnation != routed_to:
+                continue  # a request of the process before a restart: not this one's record
             self._outcome(node_id, ok)
         return done
 
@@ -363,7 +452,8 @@ class SchedulerState:
         if gap is None:
             return (
                 False,
-                "all overloaded, without room, draining, unhealthy or failing (breaker open)",
+                "all overloaded, without room, at their in-flight cap, draining, unhealthy or "
+                "failing (breaker open)",
             )
         pre, dec = (", ".join(h or "-" for h in hs) for hs in gap)
         msg = f"no prefill and decode node share a config hash (prefill: {pre}; decode: {dec})"

@@ -162,8 +162,9 @@ class PrefillRole:
                     for t in pending:
                         t.cancel()
                     # ended (and their NIXL handles released) before this call's status goes
-                    # out: the decode node frees its regions when it sees that status
-                    await asyncio.gather(*pending, return_exceptions=True)
+                    # out: the decode node frees its regions when it sees that status; the
+                    # ones already failed too (their error is this call's, not a stray log)
+                    await asyncio.gather(*writes, *forward, return_exceptions=True)
                 logits = run.logits[-1].float().contiguous()
                 await context.write(
                     wpb.PrefillMessage(

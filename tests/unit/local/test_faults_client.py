@@ -1,0 +1,100 @@
+"""The fault suite's judge: how `dualpath faults` classifies an answer (against a mock
+frontend, no cluster), and how a row is held to the bars."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from dualpath.local.faults import GEN_TOKENS, RECOVER_BAR_S, Client, Result, Row, table
+
+
+def _client(handler, deadline_s: float = 2.0) -> Client:
+    c = Client("http://frontend", "dualpath-tiny", deadline_s)
+    c.http = httpx.AsyncClient(base_url="http://frontend", transport=httpx.MockTransport(handler))
+    c.refs = {1: ([5, 6, 7], "abc")}
+    return c
+
+
+def _answer(ids, finish="length"):
+    return httpx.Response(
+        200,
+        json={
+            "choices": [{"text": "abc", "finish_reason": finish}],
+            "usage": {"cached_tokens": 32},
+            "dualpath": {"token_ids": ids, "decode_node": "decode-1"},
+        },
+    )
+
+
+def _sse(*events: str) -> httpx.Response:
+    body = "".join(f"data: {e}\n\n" for e in events)
+    return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+
+CHUNK = json.dumps({"choices": [{"text": "abc", "finish_reason": "length"}]})
+
+
+@pytest.mark.parametrize(
+    ("response", "stream", "kind", "wrong", "empty"),
+    [
+        (_answer([5, 6, 7]), False, "ok", False, False),
+        (_answer([5, 6, 8]), False, "ok", True, False),  # greedy tokens differ: wrong
+        (_answer([], "length"), False, "ok", True, True),  # nothing: empty (and wrong)
+        (_sse(CHUNK, "[DONE]"), True, "ok", False, False),
+        (_sse(json.dumps({"choices": [{"text": "abd"}]}), "[DONE]"), True, "ok", True, True),
+        (_sse(CHUNK), True, "lost", False, False),  # neither [DONE] nor an error event
+        (_sse(json.dumps({"error": {"message": "decode-0 gone"}})), True, "failed", False, False),
+        (
+            httpx.Response(503, json={"error": {"message": "no pair"}}),
+            False,
+            "failed",
+            False,
+            False,
+        ),
+    ],
+)
+async def test_answers_are_classified(response, stream, kind, wrong, empty) -> None:
+    c = _client(lambda request: response)
+    res = await c.turn(1, max_tokens=GEN_TOKENS, stream=stream)
+    await c.close()
+    assert (res.kind, res.wrong, res.empty) == (kind, wrong, empty), res
+
+
+async def test_a_turn_without_an_answer_within_its_deadline_is_hung() -> None:
+    async def slow(request):
+        await asyncio.sleep(5)
+        return _answer([5, 6, 7])
+
+    c = _client(slow, deadline_s=0.2)
+    res = await c.turn(1)
+    await c.close()
+    assert res.kind == "hung"
+
+
+async def test_a_refusal_records_its_status_and_retry_after() -> None:
+    c = _client(
+        lambda r: httpx.Response(
+            429, json={"error": {"message": "full"}}, headers={"Retry-After": "1"}
+        )
+    )
+    res = await c.turn(1)
+    await c.close()
+    assert (res.kind, res.status, res.retry_after, res.error) == ("failed", 429, True, "full")
+
+
+def test_a_row_misses_its_bars_on_any_loss_or_a_slow_recovery() -> None:
+    row = Row("scheduler-kill", recover_s=RECOVER_BAR_S["scheduler-kill"] - 1)
+    row.add([Result("ok"), Result("failed", status=503)])
+    row.judge()
+    assert row.bars == [] and (row.sent, row.succeeded, row.failed_clean) == (2, 1, 1)
+    bad = Row("decode-kill", recover_s=9.0)
+    bad.add(
+        [Result("lost"), Result("hung"), Result("ok", wrong=True), Result("failed", status=500)],
+        bad_input=True,
+    )
+    bad.judge()
+    assert bad.bars == ["lost=1", "hung=1", "wrong=1", "bad_input_5xx=1", "recover_s>5"]
+    assert "MISSED" in table([bad]) and "| ok |" in table([row])
