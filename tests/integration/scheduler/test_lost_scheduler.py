@@ -9,8 +9,8 @@ import time
 import grpc
 from dualpath import config
 from dualpath.scheduler.cli import build
-from dualpath.scheduler.policy import NodeLoad
 from dualpath.scheduler.client import REGISTER_BACKOFF_MAX_S, NodeAgent, Registration
+from dualpath.scheduler.policy import NodeLoad
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 from schedtools import free_port
