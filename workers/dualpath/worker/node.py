@@ -144,6 +144,7 @@ class WorkerNode:
         self.opts = opts
         self.role = opts.role
         self.node_id = opts.node_id
+        metrics.INFO.labels(role=self.role.value, node=self.node_id).set(1)
         w = cfg.spec.workers
         self.kv_cache_tokens = int(_given_or(opts.kv_cache_tokens, w.kv_cache_tokens))
         self.deadline_s = float(_given_or(opts.deadline_s, w.transfer_deadline_seconds))
