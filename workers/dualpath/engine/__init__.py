@@ -4,6 +4,7 @@ and the intra-node prefill cost model and batcher.
 from dualpath.engine import Engine, SamplingParams, MemorySource
 """
 
+from dualpath.engine.batch import BatchMember, BatchPrefillRun
 from dualpath.engine.decode import CacheFullError, PagedKVCache, SamplingParams, StepOutput, sample
 from dualpath.engine.engine import Engine
 from dualpath.engine.model import (
@@ -23,6 +24,8 @@ from dualpath.engine.prefill import (
 )
 
 __all__ = [
+    "BatchMember",
+    "BatchPrefillRun",
     "CacheFullError",
     "EmptySource",
     "Engine",
