@@ -175,6 +175,17 @@ class BatchPrefillRun:
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
 
+    def add_done_callback(self, fn: Callable[[BatchPrefillRun], object]) -> None:
+        """Call `fn(self)` once the forward has ended (done, failed or cancelled)."""
+        assert self._task is not None, "start() first"
+
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved: each member got it already
+            fn(self)
+
+        self._task.add_done_callback(done)
+
     def member_gone(self) -> None:
         """A caller stopped reading: stop the forward once nobody reads."""
         if self._task is not None and all(m._cancelled or m.left for m in self.members):

@@ -31,6 +31,16 @@ TPOT_SECONDS = Histogram(
     "over the tokens after the first)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+PREFILL_BATCH_REQUESTS = Histogram(
+    "dualpath_worker_prefill_batch_requests",
+    "requests per prefill batch (workers.prefillBatchQuotaMs > 0)",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+PREFILL_BATCH_COMPUTE_SECONDS = Histogram(
+    "dualpath_worker_prefill_batch_compute_seconds",
+    "compute-thread time of one prefill batch (its spread is what the quota bounds)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
 PREFILL_WAIT_SECONDS = Counter(
     "dualpath_worker_prefill_kv_wait_seconds_total",
     "seconds the prefill compute thread waited for hit KV layers to arrive",

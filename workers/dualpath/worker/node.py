@@ -213,7 +213,7 @@ class WorkerNode:
             deadline_s=self.deadline_s,
         ).start()
         if self.role is Role.PREFILL:
-            self.prefill = PrefillRole(self)
+            self.prefill = await PrefillRole(self).start()
         else:
             self.decode = DecodeRole(self)
             self.decode.start()
@@ -453,6 +453,8 @@ class WorkerNode:
             await self._server.stop(grace=1.0)
         if self.decode is not None:
             await self.decode.stop()
+        if self.prefill is not None:
+            await self.prefill.stop()
         for ch in self._channels.values():
             await ch.close()
         if getattr(self, "transfer", None) is not None:
