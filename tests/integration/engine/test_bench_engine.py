@@ -24,3 +24,10 @@ def test_bench_engine_quick_prints_every_figure(capsys):
     # sane, with room for a noisy machine: not far below the longer part, not far above serial
     assert 0.5 < out["overlap_ratio"] <= out["serial_ratio"] * 1.5
     assert out["compute_alone_s"] > 0 and out["load_alone_s"] > 0
+    batched = out["batched_prefill"]
+    assert batched["identical_outputs"] is True
+    assert sum(batched["requests_per_batch"]) == batched["requests"]
+    assert max(batched["requests_per_batch"]) > 1  # the quota holds several turns
+    for key in ("batched_prefill_ratio", "one_at_a_time_tokens_per_s", "batched_tokens_per_s"):
+        assert batched[key] > 0, key
+    assert batched["batched_compute"]["jobs"] == batched["batches"]
