@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
+    from dualpath.local import online  # its module imports this one
+
+    online.add_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -469,6 +472,10 @@ def base_config(args: argparse.Namespace) -> config.ClusterConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "online", False):
+        from dualpath.local import online
+
+        return online.run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     cfg = base_config(args)
     if cfg.spec.storage.snic_gbps <= 0:
