@@ -94,6 +94,18 @@ async def test_a_caller_that_leaves_the_queue_is_not_batched(engine):
     assert adm.batches == 2 and adm.batched_requests == 2
 
 
+async def test_a_bad_request_is_refused_alone(engine):
+    adm = BatchAdmission(engine, PER_REQUEST, quota_s=3.5).start()
+    try:
+        with pytest.raises(ValueError, match="prefill bad: hit_tokens=8 needs a source"):
+            await adm.join("bad", toks(4, 1), 8, None)
+        assert adm.queued == 0
+        _, logits = await (await adm.join("good", toks(4, 2), 0, None)).collect()
+    finally:
+        await adm.stop()
+    assert logits.shape == (1, SPEC.vocab_size)
+
+
 def test_quota_must_be_positive(engine):
     with pytest.raises(ValueError, match="prefillBatchQuotaMs"):
         BatchAdmission(engine, PER_REQUEST, quota_s=0)

@@ -57,6 +57,18 @@ MIN_PACK_ROWS = 4
 BatchRequest = tuple[Sequence[int] | torch.Tensor, int, LayerSource | None]
 
 
+def check_request(
+    name: str, tokens: torch.Tensor, hit_tokens: int, source: LayerSource | None
+) -> None:
+    """Refuse a request no forward can run, naming it (before it joins a batch)."""
+    if tokens.numel() == 0:
+        raise ValueError(f"{name} has no new tokens (tokens is empty)")
+    if hit_tokens < 0:
+        raise ValueError(f"{name}: hit_tokens must be >= 0")
+    if hit_tokens and source is None:
+        raise ValueError(f"{name}: hit_tokens={hit_tokens} needs a source")
+
+
 @dataclass
 class BatchTimes:
     compute_s: float = 0.0  # compute-thread time of the whole batch
@@ -147,12 +159,7 @@ class BatchPrefillRun:
         self.members: list[BatchMember] = []
         for i, (tokens, hit, source) in enumerate(requests):
             tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-            if tokens.numel() == 0:
-                raise ValueError(f"request {i} of the batch has no new tokens (tokens is empty)")
-            if hit < 0:
-                raise ValueError(f"request {i} of the batch: hit_tokens must be >= 0")
-            if hit and source is None:
-                raise ValueError(f"request {i} of the batch: hit_tokens={hit} needs a source")
+            check_request(f"request {i} of the batch", tokens, hit, source)
             src = source or EmptySource(spec.kv_heads, spec.head_dim, model.dtype)
             self.members.append(BatchMember(self, i, tokens, hit, src))
         big = [m for m in self.members if m.new_tokens >= MIN_PACK_ROWS]

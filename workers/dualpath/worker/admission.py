@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dualpath.engine import BatchMember, BatchPrefillRun, Engine
+from dualpath.engine.batch import check_request
 from dualpath.engine.batcher import PrefillItem, admit_fifo
 from dualpath.engine.cost import CostModel
 from dualpath.engine.prefill import LayerSource
@@ -87,6 +88,7 @@ class BatchAdmission:
     ) -> BatchMember:
         """Wait for a place in a batch; iterate the member for the KV, as a PrefillRun."""
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        check_request(f"prefill {request_id}", tokens, hit_tokens, source)  # not the batch's
         w = _Waiter(PrefillItem(request_id, hit_tokens, tokens.numel()), tokens, hit_tokens, source)
         self._queue.append(w)
         self._wake.set()
@@ -119,7 +121,7 @@ class BatchAdmission:
                 batch = self.engine.prefill_batch(
                     [(w.tokens, w.hit_tokens, w.source) for w in take]
                 )
-            except Exception as exc:  # a bad request would fail alone too: tell each
+            except Exception as exc:  # join() checked each request: nothing left to refuse
                 self._slots.release()
                 for w in take:
                     w.admitted.set_exception(exc)
