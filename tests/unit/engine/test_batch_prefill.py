@@ -164,14 +164,20 @@ async def test_a_member_whose_caller_leaves_does_not_stop_the_others(engine):
 async def test_every_caller_leaving_stops_the_batch(engine):
     x = toks(100, seed=7)
     kv = hit_kv(engine, x)
-    cut = [(k[:90], v[:90]) for k, v in kv]
-    layer_bytes = sum(t.numel() * t.element_size() for t in cut[0])
-    batch = engine.prefill_batch([(x[90:], 90, ThrottledSource(cut, layer_bytes / 0.05))])
+    gate = asyncio.Event()
+
+    class Gated:  # layer 0 at once, the rest only when the gate opens (never here)
+        async def layer(self, l):  # noqa: E741
+            if l:
+                await gate.wait()
+            return kv[l][0][:90], kv[l][1][:90]
+
+    batch = engine.prefill_batch([(x[90:], 90, Gated())])
     layers = batch.members[0].__aiter__()
     assert (await anext(layers))[0] == 0
     await layers.aclose()
     with pytest.raises(asyncio.CancelledError):
-        await batch._task
+        await asyncio.wait_for(batch._task, timeout=30)
 
 
 def test_a_batch_refuses_bad_requests(engine):

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 from dualpath.config import ModelSpec
-from dualpath.engine import Engine, MemorySource, ThrottledSource
+from dualpath.engine import Engine, MemorySource
 from dualpath.engine.cost import CostModel, FlopsModel
 from dualpath.worker.admission import BatchAdmission
 
@@ -75,18 +75,26 @@ async def test_a_request_alone_above_the_quota_still_runs(engine):
 async def test_a_caller_that_leaves_the_queue_is_not_batched(engine):
     x = toks(40, 3)
     kv = engine.model.forward_full(x)[1]
-    nbytes = sum(t[:32].numel() * t.element_size() for t in kv[0])
-    slow = ThrottledSource([(k[:32], v[:32]) for k, v in kv], nbytes / 0.05)
+    gate = asyncio.Event()
+
+    class Gated:  # its hit arrives when the test opens the gate: the batch holds its slot
+        async def layer(self, l):  # noqa: E741
+            await gate.wait()
+            return kv[l][0][:32], kv[l][1][:32]
+
     adm = BatchAdmission(engine, PER_REQUEST, quota_s=1.5, max_batches=1).start()
     try:
-        first = await adm.join("slow", x[32:], 32, slow)  # holds the one batch slot
+        first = await adm.join("held", x[32:], 32, Gated())  # holds the one batch slot
+        reading = asyncio.ensure_future(first.collect())
         waiter = asyncio.ensure_future(adm.join("gone", toks(6, 4), 0, None))
-        await asyncio.sleep(0.01)
+        for _ in range(100):
+            await asyncio.sleep(0)
         assert adm.queued == 1
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         assert adm.queued == 0
-        await first.collect()
+        gate.set()
+        await asyncio.wait_for(reading, timeout=30)
         nxt = await asyncio.wait_for(adm.join("next", toks(6, 5), 0, None), timeout=30)
         await nxt.collect()
     finally:
