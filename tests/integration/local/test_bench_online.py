@@ -82,3 +82,4 @@ def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys) -> None
         assert all(0 < p["ttft_p50_s"] <= p["ttft_p90_s"] <= p["ttft_p99_s"] for p in pts)
     assert (tmp_path / "p.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "online.json").read_text())["sla_s"] == doc["sla_s"]
+    assert (tmp_path / "out" / "seed-kv" / "blocks").is_dir()  # agents arrive with stored context
