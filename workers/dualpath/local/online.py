@@ -5,7 +5,7 @@ For each policy one local cluster (fresh store) serves, for each rate of `--rate
 of that rate (`trace.generate(spec, rate)`) and run their sessions with think times between
 turns (`--think-s`, exponential). Agents arrive with their context stored, as the paper's do
 (98.7% hits): every agent's first `--warmup-turns` turns run once beforehand on a seeding
-cluster, and each policy's cluster starts from a copy of that store (`bench.seed_storage`);
+cluster, and each policy's cluster starts from a copy of that store (one point's agents at a time);
 every turn is timed. A point's figures: TTFT p50/p90/p99 and TPOT p50 over its turns,
 tokens/s over its wall time (first arrival to last answer). A policy sustains the highest rate
 whose TTFT p90 meets the SLA; `rate_ratio` = dualpath's / prefill-read's.
@@ -125,6 +125,35 @@ async def _arrive(
         return [r for rs in await asyncio.gather(*(agent(t) for t in trs)) for r in rs]
 
 
+def seed_storage(
+    cfg: config.ClusterConfig,
+    points: list[tuple[float, list[Trajectory]]],
+    args: argparse.Namespace,
+    sink,
+) -> Path:
+    """`bench.seed_storage` one point's agents at a time: all of them at once would ask the
+    prefill node for more KV buffer than it has for their cold prefills."""
+    from dualpath.local.cluster import LocalCluster, with_overrides
+
+    seed = Path(args.out).resolve() / "seed-kv"  # storage.path is absolute
+    scfg = with_overrides(cfg, **{"storage.path": str(seed)})
+    with LocalCluster(
+        scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
+    ) as cluster:
+        for _, trs in points:
+            head = [
+                Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens) for t in trs
+            ]
+            prog = bench.Progress(sum(len(t.turns) for t in head), "warm-up")
+            results = bench.replay_on(
+                cluster.endpoints.frontend, scfg, head, args, prog, warmup_turns=0
+            )
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
+    return seed
+
+
 def sweep(
     cfg: config.ClusterConfig,
     policy: str,
@@ -204,8 +233,7 @@ def run(args: argparse.Namespace) -> int:
     with (Path(args.out) / "online-cluster.log").open("w") as sink:
         # an agent arrives with its context stored (the paper's traces hit 98.7%): its first
         # `--warmup-turns` turns run once beforehand, cold, as the offline bench seeds them
-        every = [t for _, trs in points for t in trs]
-        seed = bench.seed_storage(cfg, every, args, sink) if args.warmup_turns else None
+        seed = seed_storage(cfg, points, args, sink) if args.warmup_turns else None
         for policy in policies:
             sweeps[policy] = sweep(cfg, policy, points, args, sink, seed)
     unloaded = min(pts[0].ttft_p50_s for pts in sweeps.values())
