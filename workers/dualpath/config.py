@@ -742,6 +742,11 @@ class WorkersSpec(_Model):
     transferDeadlineSeconds."""
     kv_cache_tokens: int = Field(default=65536, ge=16, le=1 << 26)
     """Decode: tokens of the paged KV cache shared by the decode batch."""
+    prefill_batch_quota_ms: int = Field(default=0, ge=0, le=60_000)
+    """Prefill: compute quota of one batch of the intra-node batcher; queued requests join a
+    batch FIFO while the cost model's estimates (calibrated at start-up) fit it, and run as one
+    forward, each bit-identical to running alone. 0: one request per compute job. The paper
+    uses 300 ms on a GPU; scale it to the hardware (docs/engine.md)."""
     run_as_non_root: bool | None = None
     """Run worker containers as uid 65532; unset: non-root unless they request RDMA devices
     (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for

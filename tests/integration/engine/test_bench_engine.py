@@ -28,3 +28,10 @@ def test_bench_engine_quick_prints_every_figure(capsys):
     lo, hi = out["overlap_ratio_rounds_p10_p90"]
     assert lo <= out["overlap_ratio"] <= hi  # the median lies between its own percentiles
     assert 1.0 <= out["serial_ratio"] <= 2.0  # (a + b) / max(a, b), by definition
+    batched = out["batched_prefill"]
+    assert batched["identical_outputs"] is True
+    assert sum(batched["requests_per_batch"]) == batched["requests"]
+    assert max(batched["requests_per_batch"]) > 1  # the quota holds several turns
+    for key in ("batched_prefill_ratio", "one_at_a_time_tokens_per_s", "batched_tokens_per_s"):
+        assert batched[key] > 0, key
+    assert batched["batched_compute"]["jobs"] == batched["batches"]

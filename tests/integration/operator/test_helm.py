@@ -33,6 +33,7 @@ def test_helm_lint_strict(tools):
         [],
         ["--set", "operator.watchNamespaces={team-a,team-b}"],
         ["--set", "serviceMonitor.enabled=true", "--set", "serviceAccount.create=false"],
+        ["--set", "podMonitor.enabled=true", "--set", "podMonitor.namespaces={team-a}"],
     ],
 )
 def test_helm_template_is_valid_kubernetes(tools, values):
@@ -43,8 +44,8 @@ def test_helm_template_is_valid_kubernetes(tools, values):
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "ClusterRole", "CustomResourceDefinition"} <= kinds
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
-            continue  # a Prometheus Operator CRD, not in the Kubernetes schemas
+        if doc["kind"] in ("ServiceMonitor", "PodMonitor"):
+            continue  # Prometheus Operator CRDs, not in the Kubernetes schemas
         kubernetes_validate.validate(doc, "1.28.0", strict=True)
 
 
@@ -148,3 +149,63 @@ def test_the_operators_rbac_covers_every_kind_it_renders(tools):
         for v in r["verbs"]
     }
     assert "delete" in netpol  # a switched-off policy is removed
+
+
+def test_grafana_dashboard_ships_as_a_sidecar_configmap(tools):
+    """The ConfigMap carries the repo's dashboard JSON, byte for byte, under the label the
+    kube-prometheus-stack Grafana sidecar selects (switchable); the PodMonitor scrapes the data
+    plane's pods, whose series the dashboard reads."""
+    import json
+
+    def rendered(*values):
+        out = helm(tools, "template", "rel", str(CHART), "--namespace", "dualpath", *values)
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+
+    want = (CHART / "dashboards" / "dualpath.json").read_text().rstrip("\n")
+    cm = rendered()[("ConfigMap", "rel-dualpath-dashboard")]
+    kubernetes_validate.validate(cm, "1.28.0", strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "dualpath"
+    assert cm["data"]["dualpath.json"] == want and json.loads(want)["uid"]
+    cm = rendered(
+        "--set",
+        "grafanaDashboard.label=dash",
+        "--set",
+        "grafanaDashboard.namespace=monitoring",
+        "--set",
+        "grafanaDashboard.annotations.grafana_folder=DualPath",
+    )[("ConfigMap", "rel-dualpath-dashboard")]
+    assert (
+        cm["metadata"]["labels"]["dash"] == "1"
+        and "grafana_dashboard" not in cm["metadata"]["labels"]
+    )
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "DualPath"}
+    off = rendered("--set", "grafanaDashboard.enabled=false")
+    assert not any(kind == "ConfigMap" for kind, _ in off)
+    assert not any(kind == "PodMonitor" for kind, _ in off)
+    pm = rendered("--set", "podMonitor.enabled=true")[("PodMonitor", "rel-dualpath-data-plane")]
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "dualpath"}
+    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"metrics", "http"}
+
+
+def test_podmonitor_selects_every_data_plane_pod_the_operator_renders(tools):
+    """Every pod template the operator applies matches the PodMonitor's selector and serves
+    /metrics on one of its ports; the operator's own pod is left to the ServiceMonitor."""
+    from dualpath import config
+    from dualpath_operator.builders import render
+
+    out = helm(tools, "template", "rel", str(CHART), "--set", "podMonitor.enabled=true")
+    pm = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
+    sel, ports = pm["spec"]["selector"], {e["port"] for e in pm["spec"]["podMetricsEndpoints"]}
+    (expr,) = sel["matchExpressions"]
+    cfg = config.load(ROOT / "examples" / "dualpathcluster.yaml")
+    templates = [o["spec"]["template"] for o in render(cfg) if "template" in o.get("spec", {})]
+    assert len(templates) == 4  # scheduler, prefill, decode, frontend
+    for t in templates:
+        labels = t["metadata"]["labels"]
+        assert sel["matchLabels"].items() <= labels.items()
+        assert labels[expr["key"]] in expr["values"]
+        (container,) = t["spec"]["containers"]
+        assert ports & {p["name"] for p in container["ports"]}, labels

@@ -6,6 +6,7 @@ import pytest
 from dualpath.config import ModelSpec
 from dualpath.engine.batcher import (
     PrefillItem,
+    admit_fifo,
     chunk_to_fit,
     fifo_batches,
     mean_spread_s,
@@ -122,3 +123,17 @@ def test_similar_time_batches_anchor_the_oldest_request():
 def test_quota_must_be_positive():
     with pytest.raises(ValueError, match="quota_s"):
         fifo_batches(mixed_queue(3), TRUE, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.floats(0.005, 2.0), st.integers(0, 10_000))
+def test_admit_fifo_takes_the_longest_prefix_within_the_quota(n, quota, seed):
+    queue = mixed_queue(n, seed)
+    k = admit_fifo(queue, TRUE, quota)
+    times = [TRUE.estimate(it.cached, it.new) for it in queue]
+    if not queue:
+        assert k == 0
+        return
+    assert k >= 1  # a request alone above the quota still runs (alone)
+    assert k == 1 or sum(times[:k]) <= quota  # within the quota, unless alone
+    assert k == n or sum(times[: k + 1]) > quota  # the next one would overflow: it waits

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dualpath import lazy
 
 _EXPORTS = {
+    "BatchMember": "dualpath.engine.batch",
+    "BatchPrefillRun": "dualpath.engine.batch",
     "CacheFullError": "dualpath.engine.decode",
     "PagedKVCache": "dualpath.engine.decode",
     "SamplingParams": "dualpath.engine.decode",

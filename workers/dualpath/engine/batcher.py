@@ -3,6 +3,9 @@
 `fifo_batches` is the paper's packing: FIFO by (cached, new) tokens up to the quota (e.g. 300 ms
 as estimated by the cost model); the request that would overflow is chunked by binary search so
 its head fills the batch and its tail (cached += head) leads the next one.
+`admit_fifo` is what the prefill worker's admission takes from its queue for the next batch: the
+paper's FIFO packing without the chunking, so that every request's output stays bit-identical to
+its prefill alone (a chunk attends to its head's KV as hit tiles, which rounds differently).
 `similar_time_batches` also groups by similar estimated time, so the requests (and the GPUs)
 of one batch finish together instead of waiting on a straggler: the oldest request anchors each
 batch (no starvation) and is joined by the queued requests whose estimates are closest to its
@@ -104,6 +107,19 @@ def fifo_batches(
         close()
     close()
     return batches
+
+
+def admit_fifo(queue: Sequence[PrefillItem], est: Estimator, quota_s: float) -> int:
+    """How many requests from the head of `queue` the next batch takes: FIFO while their
+    estimates fit `quota_s`. The request that would overflow waits for the next batch (it leads
+    it); a request alone above the quota runs alone. 0 only for an empty queue."""
+    _check(quota_s)
+    total = 0.0
+    for n, item in enumerate(queue):
+        total += est.estimate(item.cached, item.new)
+        if total > quota_s:
+            return max(n, 1)
+    return len(queue)
 
 
 def similar_time_batches(

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from dualpath.config import ModelSpec
+from dualpath.engine.batch import BatchPrefillRun, BatchRequest
 from dualpath.engine.decode import (
     PagedKVCache,
     SamplingParams,
@@ -70,6 +71,13 @@ class Engine:
     ) -> PrefillRun:
         """New tokens at positions hit_tokens.., attending to the hit KV `source` delivers."""
         return PrefillRun(self.model, self.executor, tokens, hit_tokens, source, all_logits)
+
+    def prefill_batch(
+        self, requests: Sequence[BatchRequest], all_logits: bool = False
+    ) -> BatchPrefillRun:
+        """Several (tokens, hit_tokens, source) prefills as one forward; each member's output
+        is bit-identical to `prefill` of it alone (engine/batch.py)."""
+        return BatchPrefillRun(self.model, self.executor, requests, all_logits)
 
     # ---- decode -----------------------------------------------------------------------------
 

@@ -40,6 +40,11 @@ QUEUE_PENDING = Gauge(
 QUEUE_INFLIGHT = Gauge(
     "dualpath_kv_read_queue_inflight", "read jobs running in a read queue", ["queue"]
 )
+QUEUE_CAPACITY = Gauge(
+    "dualpath_kv_read_queue_capacity_bytes_per_second",
+    "the SNIC bandwidth a read queue is capped at (storage.snicGbps); 0: uncapped",
+    ["queue"],
+)
 QUEUE_THROTTLE = Counter(
     "dualpath_kv_read_queue_throttle_seconds_total",
     "seconds read jobs waited on the SNIC token bucket",

@@ -397,6 +397,7 @@ class ReadQueue:
         self._throttle = metrics.QUEUE_THROTTLE.labels(queue=name)
         self._pending_gauge.set(0)
         self._inflight_gauge.set(0)
+        metrics.QUEUE_CAPACITY.labels(queue=name).set(snic_gbps * 1e9 / 8)
         log.info(
             "read queue %s: concurrency %d, snic_gbps %s",
             name,

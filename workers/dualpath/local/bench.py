@@ -178,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first --turns turns, lengths scaled by one factor to fit --context",
     )
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
+    from dualpath.local import online  # its module imports this one
+
+    online.add_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -582,6 +585,25 @@ def base_config(args: argparse.Namespace, snic_gbps: float | None = None) -> con
     return with_overrides(cfg, **over)
 
 
+def bench_config(
+    args: argparse.Namespace, trajectories: list[Trajectory]
+) -> tuple[config.ClusterConfig, SnicCalibration | None]:
+    """The cluster a bench run uses and, with `--snic-gbps auto`, how its SNIC cap was
+    calibrated on this CPU for `trajectories` (offline and online modes alike)."""
+    calibration = None
+    if args.snic_gbps == "auto":
+        calibration = calibrate_snic(
+            base_config(args), trajectories, args.warmup_turns, args.read_to_compute
+        )
+    cfg = base_config(args, calibration.snic_gbps if calibration else None)
+    if cfg.spec.storage.snic_gbps <= 0:
+        raise ValueError(
+            "storage.snicGbps must be > 0 for the local benchmark (the emulated SNIC cap); "
+            "pass --snic-gbps"
+        )
+    return cfg, calibration
+
+
 def trace_spec(args: argparse.Namespace) -> TraceSpec:
     return TraceSpec(
         agents=args.agents,
@@ -596,6 +618,10 @@ def trace_spec(args: argparse.Namespace) -> TraceSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.online:
+        from dualpath.local import online
+
+        return online.run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     spec = trace_spec(args)
     trajectories = generate(spec)
@@ -605,22 +631,10 @@ def run(args: argparse.Namespace) -> int:
         trajectories = scale_to_context(
             load_jsonl(args.trace), args.context, args.agents, args.turns
         )
-    calibration = None
-    if args.snic_gbps == "auto":
-        try:
-            calibration = calibrate_snic(
-                base_config(args), trajectories, args.warmup_turns, args.read_to_compute
-            )
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    cfg = base_config(args, calibration.snic_gbps if calibration else None)
-    if cfg.spec.storage.snic_gbps <= 0:
-        print(
-            "error: storage.snicGbps must be > 0 for the local benchmark (the emulated SNIC "
-            "cap); pass --snic-gbps",
-            file=sys.stderr,
-        )
+    try:
+        cfg, calibration = bench_config(args, trajectories)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.log_file or Path(args.out) / "cluster.log")

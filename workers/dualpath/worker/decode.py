@@ -191,6 +191,7 @@ class DecodeRole:
             generated = [first.token]
             out = first
             head = dict(hit_tokens=hit, read_path=_PATH_ENUM[path], prefill_seconds=prefill_s)
+            t_first = time.perf_counter()
             if not out.finished:
                 yield wpb.GenerateChunk(tokens=[out.token], **head)
                 head = {}
@@ -203,6 +204,8 @@ class DecodeRole:
                     if out.finished:
                         break
                     yield wpb.GenerateChunk(tokens=[out.token])
+                tpot_s = (time.perf_counter() - t_first) / (len(generated) - 1)
+                metrics.TPOT_SECONDS.observe(tpot_s)
             await self._store_turn(rid, prompt, generated, hit, salt)
             yield wpb.GenerateChunk(
                 tokens=[out.token], finish_reason=out.reason or "length", **head

@@ -25,6 +25,22 @@ PREFILL_SECONDS = Histogram(
     ["path"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+TPOT_SECONDS = Histogram(
+    "dualpath_worker_tpot_seconds",
+    "time per output token of a finished turn on the decode worker (first token to last, "
+    "over the tokens after the first)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+PREFILL_BATCH_REQUESTS = Histogram(
+    "dualpath_worker_prefill_batch_requests",
+    "requests per prefill batch (workers.prefillBatchQuotaMs > 0)",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+PREFILL_BATCH_COMPUTE_SECONDS = Histogram(
+    "dualpath_worker_prefill_batch_compute_seconds",
+    "compute-thread time of one prefill batch (its spread is what the quota bounds)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
 PREFILL_WAIT_SECONDS = Counter(
     "dualpath_worker_prefill_kv_wait_seconds_total",
     "seconds the prefill compute thread waited for hit KV layers to arrive",
@@ -32,6 +48,12 @@ PREFILL_WAIT_SECONDS = Counter(
 )
 TOKENS = Counter(
     "dualpath_worker_tokens_total", "tokens processed, by kind (prefill, decode)", ["kind"]
+)
+INFO = Gauge(
+    "dualpath_worker_info",
+    "1 per worker process: its role and node id (join on the scrape target's labels to split "
+    "a metric by role)",
+    ["role", "node"],
 )
 LOAD = Gauge(
     "dualpath_worker_load",

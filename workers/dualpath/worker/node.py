@@ -146,6 +146,7 @@ class WorkerNode:
         self.opts = opts
         self.role = opts.role
         self.node_id = opts.node_id
+        metrics.INFO.labels(role=self.role.value, node=self.node_id).set(1)
         w = cfg.spec.workers
         self.kv_cache_tokens = int(_given_or(opts.kv_cache_tokens, w.kv_cache_tokens))
         self.deadline_s = float(_given_or(opts.deadline_s, w.transfer_deadline_seconds))
@@ -214,7 +215,7 @@ class WorkerNode:
             deadline_s=self.deadline_s,
         ).start()
         if self.role is Role.PREFILL:
-            self.prefill = PrefillRole(self)
+            self.prefill = await PrefillRole(self).start()
         else:
             self.decode = DecodeRole(self)
             self.decode.start()
@@ -454,6 +455,8 @@ class WorkerNode:
             await self._server.stop(grace=1.0)
         if self.decode is not None:
             await self.decode.stop()
+        if self.prefill is not None:
+            await self.prefill.stop()
         for ch in self._channels.values():
             await ch.close()
         if getattr(self, "transfer", None) is not None:

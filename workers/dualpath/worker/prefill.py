@@ -15,16 +15,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from dualpath.engine import BatchMember, PrefillRun
 from dualpath.kv import KVLoadError, block_ids
 from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.transfer.engine import TransferEngine
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
+from dualpath.worker.admission import BatchAdmission
 from dualpath.worker.kvstream import RemoteHitSource, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
 
@@ -60,6 +64,38 @@ class PrefillRole:
         self.node = node
         self.load = PrefillLoad()
         self._slots = asyncio.Semaphore(max_concurrent)
+        self.admission: BatchAdmission | None = None
+
+    async def start(self) -> PrefillRole:
+        """With `workers.prefillBatchQuotaMs`, calibrate the cost model and batch admissions."""
+        quota_ms = self.node.cfg.spec.workers.prefill_batch_quota_ms
+        if quota_ms:
+            self.admission = (
+                await BatchAdmission.calibrated(self.node.engine, quota_ms / 1000)
+            ).start()
+            log.info(
+                "prefill batching on: quota %d ms, cost model %s",
+                quota_ms,
+                self.admission.cost.to_dict(),
+            )
+        return self
+
+    async def stop(self) -> None:
+        if self.admission is not None:
+            await self.admission.stop()
+
+    @contextlib.asynccontextmanager
+    async def _compute(
+        self, rid: str, tokens: list[int], hit_tokens: int, source
+    ) -> AsyncIterator[PrefillRun | BatchMember]:  # noqa: ANN001
+        """The request's prefill, once compute admits it: a batch member or a run alone."""
+        if self.admission is not None:
+            yield await self.admission.join(rid, tokens, hit_tokens, source)
+            return
+        # compute slots: more than one so a request still waiting for its hit KV does not
+        # idle the compute thread while the next one's KV is already here
+        async with self._slots:
+            yield self.node.engine.prefill(tokens, hit_tokens, source)
 
     async def serve(self, req: wpb.PrefillRequest, context) -> None:  # noqa: ANN001
         """Stream `accepted` then `done` (see the module docstring); raise on failure."""
@@ -130,14 +166,12 @@ class PrefillRole:
                     )
                 )
             )
-            # compute slots: more than one so a request still waiting for its hit KV does not
-            # idle the compute thread while the next one's KV is already here
-            async with self._slots:
+            new_part = prompt[layout.hit_tokens :]
+            async with self._compute(rid, new_part, layout.hit_tokens, source) as run:
                 self.load.tokens_queued -= new_tokens
                 self.load.tokens_running += new_tokens
                 self.load.requests_running += 1
                 started = True
-                run = node.engine.prefill(prompt[layout.hit_tokens :], layout.hit_tokens, source)
                 writes: list[asyncio.Task] = []
                 try:
                     async for layer, k, v in run:
