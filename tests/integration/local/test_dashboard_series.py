@@ -306,7 +306,7 @@ def test_every_dashboard_series_exists_on_a_running_cluster(tmp_path: Path) -> N
                 )
                 assert r.status_code == 200, r.text
                 prompt += r.json()["choices"][0]["text"] + f" tool result {turn}: ok. " * 4
-            assert r.json()["usage"]["cached_tokens"] > 0
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         urls = {
             "scheduler": ep.scheduler_health.replace("/readyz", "/metrics"),
             "frontend": f"{ep.frontend}/metrics",

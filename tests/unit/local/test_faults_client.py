@@ -23,7 +23,7 @@ def _answer(ids, finish="length"):
         200,
         json={
             "choices": [{"text": "abc", "finish_reason": finish}],
-            "usage": {"cached_tokens": 32},
+            "usage": {"prompt_tokens_details": {"cached_tokens": 32}},
             "dualpath": {"token_ids": ids, "decode_node": "decode-1"},
         },
     )

@@ -312,7 +312,7 @@ class Client:
             obj = r.json()
             choice = obj["choices"][0]
             ids = obj["dualpath"]["token_ids"]
-            res.cached = obj["usage"].get("cached_tokens", 0)
+            res.cached = obj["usage"]["prompt_tokens_details"]["cached_tokens"]
             res.decode_node = obj["dualpath"].get("decode_node", "")
             res.kind = "ok"
             res.empty = not choice.get("finish_reason") or (
@@ -374,7 +374,7 @@ class Client:
             r = await self.http.post("/v1/completions", json=self.body(i, GEN_TOKENS))
             r.raise_for_status()
             obj = r.json()
-            if obj["usage"].get("cached_tokens", 0):
+            if obj["usage"]["prompt_tokens_details"]["cached_tokens"]:
                 raise RuntimeError(f"prompt {i} was a hit on a fresh store: no reference")
             self.refs[i] = (obj["dualpath"]["token_ids"], obj["choices"][0]["text"])
 
