@@ -463,27 +463,49 @@ def replay_on(
 
 
 def seed_storage(
-    cfg: config.ClusterConfig, trajectories: list[Trajectory], args: argparse.Namespace, sink
+    cfg: config.ClusterConfig,
+    groups: list[list[Trajectory]],
+    args: argparse.Namespace,
+    sink,
 ) -> Path:
     """Run every agent's warm-up turns once (cold: their context is computed, then stored) and
-    return that storage directory; each policy's run starts from a copy of it."""
+    return that storage directory; each policy's run starts from a copy of it. The groups warm
+    up one after another (online mode: one rate point's agents at a time; all of them at once
+    would ask the prefill node for more KV buffer than it has for their cold prefills)."""
     from dualpath.local.cluster import LocalCluster, with_overrides
 
     seed = Path(args.out).resolve() / "seed-kv"  # storage.path is absolute
     scfg = with_overrides(cfg, **{"storage.path": str(seed)})
-    head = [
-        Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens, t.start_s)
-        for t in trajectories
-    ]
     with LocalCluster(
         scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
     ) as cluster:
-        prog = Progress(sum(len(t.turns) for t in head), "warm-up", enabled=True)
-        results = replay_on(cluster.endpoints.frontend, scfg, head, args, prog, warmup_turns=0)
-        failed = [r for r in results if not r.ok]
-    if failed:
-        raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
+        for trajectories in groups:
+            head = [
+                Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens)
+                for t in trajectories
+            ]
+            prog = Progress(sum(len(t.turns) for t in head), "warm-up", enabled=True)
+            results = replay_on(cluster.endpoints.frontend, scfg, head, args, prog, warmup_turns=0)
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
     return seed
+
+
+def policy_config(
+    cfg: config.ClusterConfig, policy: str, seed: Path | None
+) -> config.ClusterConfig:
+    """`cfg` under `policy`, its storage emptied, or a copy of the warm-up's seed: every policy
+    starts from the same stored contexts."""
+    from dualpath.local.cluster import with_overrides
+
+    pcfg = with_overrides(cfg, **{"scheduler.policy": policy})
+    storage = Path(pcfg.spec.storage.path)
+    if storage.exists():
+        shutil.rmtree(storage)
+    if seed is not None:
+        shutil.copytree(seed, storage)
+    return pcfg
 
 
 def run_policy(
@@ -494,15 +516,10 @@ def run_policy(
     sink,
     seed: Path | None = None,
 ) -> tuple[PolicyResult, list[TurnResult]]:
-    from dualpath.local.cluster import LocalCluster, with_overrides
+    from dualpath.local.cluster import LocalCluster
 
-    pcfg = with_overrides(cfg, **{"scheduler.policy": policy})
+    pcfg = policy_config(cfg, policy, seed)
     run_dir = Path(args.out) / policy
-    storage = Path(pcfg.spec.storage.path)
-    if storage.exists():
-        shutil.rmtree(storage)
-    if seed is not None:  # every policy starts from the same stored contexts
-        shutil.copytree(seed, storage)
     with LocalCluster(pcfg, run_dir, sink=sink, log_level="WARNING") as cluster:
         total = sum(len(t.turns) for t in trajectories)
         prog = Progress(total, policy, enabled=True)
@@ -641,7 +658,7 @@ def run(args: argparse.Namespace) -> int:
     out: list[PolicyResult] = []
     answers: dict[str, dict[tuple[str, int], list[int]]] = {}
     with log_path.open("w") as sink:
-        seed = seed_storage(cfg, trajectories, args, sink) if args.warmup_turns else None
+        seed = seed_storage(cfg, [trajectories], args, sink) if args.warmup_turns else None
         for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
             res, turns = run_policy(cfg, policy, trajectories, args, sink, seed)
             out.append(res)

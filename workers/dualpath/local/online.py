@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import logging
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -125,35 +124,6 @@ async def _arrive(
         return [r for rs in await asyncio.gather(*(agent(t) for t in trs)) for r in rs]
 
 
-def seed_storage(
-    cfg: config.ClusterConfig,
-    points: list[tuple[float, list[Trajectory]]],
-    args: argparse.Namespace,
-    sink,
-) -> Path:
-    """`bench.seed_storage` one point's agents at a time: all of them at once would ask the
-    prefill node for more KV buffer than it has for their cold prefills."""
-    from dualpath.local.cluster import LocalCluster, with_overrides
-
-    seed = Path(args.out).resolve() / "seed-kv"  # storage.path is absolute
-    scfg = with_overrides(cfg, **{"storage.path": str(seed)})
-    with LocalCluster(
-        scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
-    ) as cluster:
-        for _, trs in points:
-            head = [
-                Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens) for t in trs
-            ]
-            prog = bench.Progress(sum(len(t.turns) for t in head), "warm-up")
-            results = bench.replay_on(
-                cluster.endpoints.frontend, scfg, head, args, prog, warmup_turns=0
-            )
-            failed = [r for r in results if not r.ok]
-            if failed:
-                raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
-    return seed
-
-
 def sweep(
     cfg: config.ClusterConfig,
     policy: str,
@@ -162,14 +132,9 @@ def sweep(
     sink,
     seed: Path | None = None,
 ) -> list[RatePoint]:
-    from dualpath.local.cluster import LocalCluster, with_overrides
+    from dualpath.local.cluster import LocalCluster
 
-    pcfg = with_overrides(cfg, **{"scheduler.policy": policy})
-    storage = Path(pcfg.spec.storage.path)
-    if storage.exists():
-        shutil.rmtree(storage)
-    if seed is not None:  # every policy starts from the same stored contexts
-        shutil.copytree(seed, storage)
+    pcfg = bench.policy_config(cfg, policy, seed)
     out = []
     with LocalCluster(
         pcfg, Path(args.out) / f"online-{policy}", sink=sink, log_level="WARNING"
@@ -234,7 +199,11 @@ def run(args: argparse.Namespace) -> int:
     with (Path(args.out) / "online-cluster.log").open("w") as sink:
         # an agent arrives with its context stored (the paper's traces hit 98.7%): its first
         # `--warmup-turns` turns run once beforehand, cold, as the offline bench seeds them
-        seed = seed_storage(cfg, points, args, sink) if args.warmup_turns else None
+        seed = (
+            bench.seed_storage(cfg, [trs for _, trs in points], args, sink)
+            if args.warmup_turns
+            else None
+        )
         for policy in policies:
             sweeps[policy] = sweep(cfg, policy, points, args, sink, seed)
     unloaded = min(pts[0].ttft_p50_s for pts in sweeps.values())
