@@ -17,9 +17,11 @@ from dualpath.scheduler.policy import (
     get_policy,
 )
 from dualpath.scheduler.policy.inter_node import (
+    _pick_engine,
     has_short_read_queue,
     is_overloaded,
     path_finish_s,
+    pick_pair,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -202,7 +204,8 @@ def test_decide_does_not_mutate_the_view(view, request):
 
 
 def vars_(n):
-    return tuple(getattr(n, f) for f in n.__slots__)
+    # `_watch` points at the pool structure ranking the node: a cache pointer, not its state
+    return tuple(getattr(n, f) for f in n.__slots__ if f != "_watch")
 
 
 def test_waits_when_every_prefill_node_is_overloaded():
@@ -263,3 +266,93 @@ def test_unknown_policy_name_is_refused():
 
     with pytest.raises(ValueError, match="choose one of"):
         get_policy("fastest")
+
+
+def scan_pair(request, view):
+    """The paper's pair choice by a full scan of every node (the oracle of the incremental
+    pool structures): per pool the best prefill node by (long read queue, tokens, read queue,
+    id), its pool's least-loaded group with room, the engine of `_pick_engine`."""
+    t = view.thresholds
+    ranked = []
+    for rank, pool in enumerate(view.pools()):
+        ok = [n for n in pool.prefill if n.available and not is_overloaded(n, t) and pool.decode]
+        if ok:
+            p = min(
+                ok,
+                key=lambda n: (
+                    not has_short_read_queue(n, t),
+                    n.tokens,
+                    n.read_pending_bytes,
+                    n.node_id,
+                ),
+            )
+            ranked.append(
+                ((not has_short_read_queue(p, t), p.tokens, p.read_pending_bytes, rank), p, pool)
+            )
+    for _, p, pool in sorted(ranked, key=lambda r: r[0]):
+        groups = {}
+        for n in pool.decode:
+            groups.setdefault(n.group, []).append(n)
+        best = None
+        for name in sorted(groups):
+            live = [n for n in groups[name] if n.available]
+            tok = sum(n.tokens for n in live)
+            if any(n.buffer_free_bytes >= request.context_bytes for n in live) and (
+                best is None or tok < best[0]
+            ):
+                best = (tok, len(live), groups[name])
+        if best is not None:
+            return p, _pick_engine(request, best[2], best[0], best[1])
+    return None
+
+
+CHANGES = st.lists(
+    st.tuples(
+        st.integers(0, 17),
+        st.sampled_from(
+            ["read_pending_bytes", "tokens_queued", "tokens_running", "buffer_free_bytes"]
+            + ["healthy", "draining", "held"]
+        ),
+        st.integers(0, 10 * int(SNIC)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), rounds=st.lists(st.tuples(requests(), CHANGES), min_size=1, max_size=6))
+def test_incremental_choice_equals_a_full_scan(view, rounds):
+    """Decisions, their accounting and arbitrary load/flag changes in between: every pair the
+    pools' incremental structures give equals the full scan's over the same loads."""
+    policy = get_policy("dualpath")
+    nodes = view.prefill + view.decode
+    for request, changes in rounds:
+        for i, field, value in changes:
+            if nodes:
+                n = nodes[i % len(nodes)]
+                setattr(
+                    n, field, bool(value % 2) if field in {"healthy", "draining", "held"} else value
+                )
+        want = scan_pair(request, view)
+        got = pick_pair(request, view)
+        assert (got and (got[0].node_id, got[1].node_id)) == (
+            want and (want[0].node_id, want[1].node_id)
+        )
+        d = policy.decide(request, view)
+        if d is not None:
+            account(view, request, d)
+
+
+def test_a_node_claimed_by_a_second_view_keeps_the_first_one_right():
+    """A node ranked by two views' pools reports to the newest; the first falls back to
+    recomputing (orphaned) instead of deciding on loads it no longer hears about."""
+    p0, p1 = NodeState("p0", "prefill"), NodeState("p1", "prefill", tokens_queued=10)
+    d0 = NodeState("d0", "decode")
+    first = ClusterView([p0, p1], [d0])
+    req = RouteRequest.for_turn("r", 100, 0, 1)
+    assert pick_pair(req, first)[0] is p0
+    second = ClusterView([p0, p1], [d0])
+    assert pick_pair(req, second)[0] is p0  # the second view's pools now watch the nodes
+    p0.tokens_queued = 50
+    assert pick_pair(req, first)[0] is p1
+    assert pick_pair(req, second)[0] is p1

@@ -15,7 +15,14 @@ import time
 import tracemalloc
 
 from dualpath.scheduler.index import ROOT, BlockIndex, keys_view, pack_keys
-from dualpath.scheduler.policy import ClusterView, NodeState, RouteRequest, get_policy
+from dualpath.scheduler.policy import (
+    ClusterView,
+    Decision,
+    NodeState,
+    RouteRequest,
+    account,
+    get_policy,
+)
 from dualpath.scheduler.wire import route_fields
 
 KV_BYTES_PER_TOKEN = 70_000  # about DeepSeek-V3's MLA latent per token, all layers
@@ -40,40 +47,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
+SNIC_BYTES_PER_S = 50e9  # 400 Gbps
+
+
+def draw_load(node: NodeState, rng: random.Random) -> None:
+    """A random load for `node`, as a heartbeat would report it."""
+    node.read_pending_bytes = rng.randrange(0, int(6 * SNIC_BYTES_PER_S))
+    if node.role == "prefill":
+        node.tokens_queued = rng.randrange(0, 60_000)
+    else:
+        node.tokens_running = rng.randrange(0, 500_000)
+        node.requests_running = rng.randrange(0, 64)
+        node.buffer_free_bytes = rng.randrange(1 << 30, 1 << 36)
+
+
 def random_view(
     n_prefill: int, n_decode: int, rng: random.Random, config_hashes: int = 1
 ) -> ClusterView:
     """Random loads; with `config_hashes` > 1 the nodes alternate between that many versions
     (a rollout in progress), drawn after the loads so the loads are the same."""
-    snic = 50e9  # 400 Gbps
     prefill = [
         NodeState(
-            f"p{i}",
-            "prefill",
-            read_pending_bytes=rng.randrange(0, int(6 * snic)),
-            snic_bytes_per_s=snic,
-            tokens_queued=rng.randrange(0, 60_000),
-            prefill_tokens_per_s=10_000.0,
+            f"p{i}", "prefill", snic_bytes_per_s=SNIC_BYTES_PER_S, prefill_tokens_per_s=10_000.0
         )
         for i in range(n_prefill)
     ]
     decode = [
-        NodeState(
-            f"d{i}",
-            "decode",
-            read_pending_bytes=rng.randrange(0, int(6 * snic)),
-            snic_bytes_per_s=snic,
-            tokens_running=rng.randrange(0, 500_000),
-            requests_running=rng.randrange(0, 64),
-            buffer_free_bytes=rng.randrange(1 << 30, 1 << 36),
-            group=f"g{i // 8}",
-        )
+        NodeState(f"d{i}", "decode", snic_bytes_per_s=SNIC_BYTES_PER_S, group=f"g{i // 8}")
         for i in range(n_decode)
     ]
+    for n in (*prefill, *decode):
+        draw_load(n, rng)
     if config_hashes > 1:
         for i, n in enumerate((*prefill, *decode)):
             n.config_hash = f"v{i % config_hashes}"
     return ClusterView(prefill, decode, cnic_bytes_per_s=8 * 50e9)
+
+
+class Churn:
+    """The load changes between two decisions of a running scheduler, applied after each one
+    (outside the timed part): the decision is charged to its nodes (`account`, as the service
+    does), and one node, in turn, reports a fresh load (a heartbeat). Every node's load is
+    replaced every len(nodes) decisions, so the accounting stays bounded, and each decision
+    reads the changes of about three nodes: more churn than a real cluster, whose nodes
+    heartbeat about once a second, gives at these rates (the policy's pools update what
+    changed, so a static view would flatter them)."""
+
+    def __init__(self, view: ClusterView, rng: random.Random) -> None:
+        self.view = view
+        self.nodes = [*view.prefill, *view.decode]
+        self.rng = rng
+        self.turn = 0
+
+    def after(self, request: RouteRequest, decision: Decision | None) -> None:
+        if decision is not None:
+            account(self.view, request, decision)
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        node = self.nodes[self.turn % len(self.nodes)]
+        self.turn += 1
+        draw_load(node, self.rng)
 
 
 def _requests(n: int, rng: random.Random) -> list[RouteRequest]:
@@ -95,20 +129,27 @@ def in_process(n_nodes: int, n: int, policy_name: str, seed: int, config_hashes:
     view = random_view(n_prefill, n_nodes - n_prefill, rng, config_hashes)
     reqs = _requests(1000, rng)
     policy = get_policy(policy_name)
+    churn = Churn(view, rng)
     lat = []
     clock = time.perf_counter_ns
-    t_start = clock()
+    busy = waits = 0
     for i in range(n):
+        req = reqs[i % 1000]
         t0 = clock()
-        policy.decide(reqs[i % 1000], view)
-        lat.append(clock() - t0)
-    wall_s = (clock() - t_start) / 1e9
+        decision = policy.decide(req, view)
+        t1 = clock()
+        lat.append(t1 - t0)
+        busy += t1 - t0
+        waits += decision is None
+        churn.after(req, decision)
+    wall_s = busy / 1e9
     lat.sort()
     return {
         "p50_us": _pct(lat, 0.5),
         "p99_us": _pct(lat, 0.99),
         "decisions_per_s": n / wall_s,
         "decisions": n,
+        "waits": waits,  # decisions that found no node (None): a bench of waits would flatter
     }
 
 
@@ -159,7 +200,8 @@ def index_route(
     block_tokens: int,
     holes: int = 0,
 ) -> dict:
-    """Route in process as the service runs it: the hit from the index, then the decision."""
+    """Route in process as the service runs it: the hit from the index, the decision and its
+    accounting, with a heartbeat's load change between two routes (`Churn`)."""
     rng = random.Random(seed)
     n_prefill = n_nodes // 3
     view = random_view(n_prefill, n_nodes - n_prefill, rng)
@@ -173,19 +215,28 @@ def index_route(
     reqs = [
         (f"r{i}", p, k) for i, (p, k) in enumerate(index_requests(chains, rng, 1000, block_tokens))
     ]
+    churn = Churn(view, rng)
     lat = []
     hit_blocks = 0
     clock = time.perf_counter_ns
-    t_start = clock()
+    busy = waits = 0
     for i in range(n):
         rid, prompt, packed = reqs[i % 1000]
         t0 = clock()
         keys = keys_view(packed)
         hit = index.hit_blocks(keys, (prompt - 1) // block_tokens) * block_tokens
-        policy.decide(RouteRequest.for_turn(rid, prompt, hit, KV_BYTES_PER_TOKEN, 180), view)
-        lat.append(clock() - t0)
+        req = RouteRequest.for_turn(rid, prompt, hit, KV_BYTES_PER_TOKEN, 180)
+        decision = policy.decide(req, view)
+        if decision is not None:
+            account(view, req, decision)
+        else:
+            waits += 1
+        t1 = clock()
+        lat.append(t1 - t0)
+        busy += t1 - t0
+        churn.heartbeat()
         hit_blocks += hit // block_tokens
-    wall_s = (clock() - t_start) / 1e9
+    wall_s = busy / 1e9
     gc.unfreeze()
     lat.sort()
     return {
@@ -193,6 +244,7 @@ def index_route(
         "p99_us": _pct(lat, 0.99),
         "routes_per_s": n / wall_s,
         "routes": n,
+        "waits": waits,
         "indexed_blocks": len(index),
         "holes": index.holes,
         "index_bytes": index_bytes,

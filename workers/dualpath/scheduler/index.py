@@ -15,8 +15,9 @@ so a block is only reachable through its parent: the index keeps each stored blo
 link, counts present children per parent and records **holes** (an absent key with present
 children, e.g. a block evicted or found bad while its descendants stay). The lookup is then a
 binary search (O(log n) set probes, flat in the store's size) plus a check of the holes that fall
-inside the found prefix by their depth: the first one ends the prefix, which is bisected again
-below it. Only with more holes than prefix blocks is the prefix walked block by block. Keys
+inside the found prefix by their depth (the prompt's keys at those depths, read in one C call and
+tested against the holes in one set operation): the first one ends the prefix, which is
+bisected again below it. Only with more holes than prefix blocks is the prefix walked block by block. Keys
 found by a scan carry no links: they are taken as prefix-closed until an event links them, so
 a hole among them can cost one recompute (the reader verifies every block it loads) and never
 wrong output.
@@ -28,10 +29,11 @@ import itertools
 import math
 import sys
 from array import array
-from bisect import bisect_left
-from collections.abc import Sequence
+from bisect import bisect_left, insort
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import itemgetter
 
 ROOT = 0  # parent key of a chain's first block (never a key: kv.ids.block_key)
 UNLINKED = -1  # parent unknown (a key found by a scan, or a write that did not say)
@@ -99,11 +101,12 @@ class BlockIndex:
         self._parent: dict[int, int] = {}  # present key -> parent key (ROOT, UNLINKED)
         self._kids: dict[int, int] = {}  # key (present or not) -> linked present children
         self._holes: dict[int, int] = {}  # absent key with present children -> its depth
-        # the same holes by depth: their distinct depths sorted, and (depth, holes there) in the
-        # same order. A lookup checks only the depths inside its prefix, one set probe each
-        # (no pass over every hole)
+        # the holes' distinct depths, sorted, and how many holes each has. A lookup reads its
+        # keys at the depths inside its prefix (one C-level `itemgetter` call, cached per
+        # count of depths in `_probes`) and checks them against the holes in one set operation
         self._hole_depths: list[int] = []
-        self._hole_levels: list[tuple[int, set[int]]] = []
+        self._depth_holes: dict[int, int] = {}
+        self._probes: dict[int, Callable[[Sequence[int]], tuple[int, ...]]] = {}
         self._publishers: dict[str, tuple[str, int]] = {}  # node -> (epoch, last seq)
         self._snapshot: _Snapshot | None = None
         self._ids = itertools.count(1)
@@ -204,23 +207,22 @@ class BlockIndex:
         if key in self._holes:
             return
         self._holes[key] = depth
-        depths = self._hole_depths
-        i = bisect_left(depths, depth)
-        if i == len(depths) or depths[i] != depth:
-            depths.insert(i, depth)
-            self._hole_levels.insert(i, (depth, set()))
-        self._hole_levels[i][1].add(key)
+        n = self._depth_holes.get(depth, 0)
+        self._depth_holes[depth] = n + 1
+        if not n:
+            insort(self._hole_depths, depth)
+            self._probes.clear()
 
     def _drop_hole(self, key: int) -> None:
         depth = self._holes.pop(key, None)
         if depth is None:
             return
-        i = bisect_left(self._hole_depths, depth)
-        at = self._hole_levels[i][1]
-        at.discard(key)
-        if not at:
-            del self._hole_depths[i]
-            del self._hole_levels[i]
+        n = self._depth_holes.pop(depth) - 1
+        if n:
+            self._depth_holes[depth] = n
+        else:
+            del self._hole_depths[bisect_left(self._hole_depths, depth)]
+            self._probes.clear()
 
     # ---- rebuild ---------------------------------------------------------------------------
 
@@ -265,7 +267,8 @@ class BlockIndex:
         self._kids = {}
         self._holes = {}
         self._hole_depths = []
-        self._hole_levels = []
+        self._depth_holes = {}
+        self._probes.clear()
         for key, op in snap.log.items():
             if op is None:
                 self._remove(key)
@@ -288,21 +291,41 @@ class BlockIndex:
             return 0
         n = len(keys) if limit is None else min(len(keys), limit)
         b = self._boundary(keys, n)
-        if b and self._holes:
+        holes = self._holes
+        if b and holes:
             depths = self._hole_depths
             inside = bisect_left(depths, b)  # distinct hole depths that lie inside the prefix
-            if inside < b:  # the first hole inside the prefix ends it: bisect before it
-                for d, at in self._hole_levels[:inside]:
-                    if keys[d] in at:
-                        c.hole_cuts += 1
-                        return self._boundary(keys, d)  # no hole lies below d
-            elif not self._holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
+            if not inside:
+                return b
+            if inside < b:
+                at = self._probe(inside)(keys)  # the prompt's keys at those depths
+                if holes.keys().isdisjoint(at):
+                    return b
+                # the first hole inside the prefix ends it: bisect before it (none lies below)
+                c.hole_cuts += 1
+                d = next(d for d, k in zip(depths, at, strict=False) if k in holes)
+                return self._boundary(keys, d)
+            if not holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
                 c.walks += 1
                 present = self._parent
                 for i in range(b):
                     if keys[i] not in present:
                         return i
         return b
+
+    def _probe(self, inside: int) -> Callable[[Sequence[int]], tuple[int, ...]]:
+        """A function giving a prompt's keys at the first `inside` hole depths, as a tuple."""
+        probe = self._probes.get(inside)
+        if probe is None:
+            if len(self._probes) >= 256:
+                self._probes.clear()  # bounded: at most 256 getters of the current depths
+            if inside == 1:
+                d = self._hole_depths[0]
+                probe = lambda keys: (keys[d],)  # noqa: E731 (itemgetter of one is no tuple)
+            else:
+                probe = itemgetter(*self._hole_depths[:inside])
+            self._probes[inside] = probe
+        return probe
 
     def _boundary(self, keys: Sequence[int], n: int) -> int:
         """The end of the present run that starts keys[:n], if presence is monotone there."""

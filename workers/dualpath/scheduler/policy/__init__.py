@@ -63,15 +63,20 @@ def account(view: ClusterView, request: RouteRequest, decision: Decision) -> Non
     Without this a burst between two heartbeats would all go to the same least-loaded node.
     """
     p, d = view.node(decision.prefill_node), view.node(decision.decode_node)
+    # The slots themselves (`NodeState._tracks_changes`), then one `touch` per node: this runs
+    # on every Route, and five property setters would cost it more than the decision's reads.
     reader = d if decision.read_path is ReadPath.DECODE else p
     if reader is not None:
-        reader.read_pending_bytes += request.hit_bytes
+        reader._read_pending_bytes += request.hit_bytes
     if p is not None:
-        p.tokens_queued += request.new_tokens
+        p._tokens_queued += request.new_tokens
     if d is not None:
-        d.tokens_queued += request.prompt_tokens + request.max_new_tokens
+        d._tokens_queued += request.prompt_tokens + request.max_new_tokens
         d.requests_running += 1
-        d.buffer_free_bytes -= request.context_bytes
+        d._buffer_free_bytes -= request.context_bytes
+    for n in (p, d):
+        if n is not None and n._watch is not None:
+            n._watch.touch(n)
 
 
 __all__ = [

@@ -16,6 +16,7 @@ config hash (`pick_pair`; DESIGN section 9: versions never pair):
 
 from __future__ import annotations
 
+from dualpath.scheduler.policy.pools import DecodeGroup
 from dualpath.scheduler.policy.types import (
     ClusterView,
     NodeState,
@@ -43,12 +44,14 @@ def pick_pair(request: RouteRequest, view: ClusterView) -> tuple[NodeState, Node
     then fewest tokens, then shorter read queue); equal ones go to the newest hash. The winner's
     pool must have a decode engine with room, else the next pool's best tries. So a rollout is
     load-balanced over every version that has a full pair, never mixes two, and a version with
-    only prefill (or only decode) nodes up gets nothing yet.
+    only prefill (or only decode) nodes up gets nothing yet. Each pool keeps its prefill order
+    and decode group totals up to date as loads change (`policy.pools`), so a decision reads
+    the few nodes that changed since the last one, not every node.
     """
     pools = view.pools()
     if len(pools) == 1:  # the common case: one config, no rollout in progress
         pool = pools[0]
-        c = _best_prefill(pool.prefill_limits)
+        c = pool.prefill_ranking.best()
         if c is None:
             return None
         d = pick_decode(request, pool.decode_groups)
@@ -57,7 +60,7 @@ def pick_pair(request: RouteRequest, view: ClusterView) -> tuple[NodeState, Node
     for rank, pool in enumerate(pools):  # newest first
         if not pool.decode:
             continue
-        c = _best_prefill(pool.prefill_limits)
+        c = pool.prefill_ranking.best()
         if c is not None:
             p, short, tok = c
             ranked.append(((not short, tok, p.read_pending_bytes, rank), p, pool))
@@ -69,64 +72,26 @@ def pick_pair(request: RouteRequest, view: ClusterView) -> tuple[NodeState, Node
     return None
 
 
-def _best_prefill(
-    limits: list[tuple[NodeState, float, float]],
-) -> tuple[NodeState, bool, int] | None:
-    """(node, has a short read queue, tokens) of the best non-overloaded node, or None."""
-    # Hot path: one pass, plain comparisons, no per-node allocation.
-    short: NodeState | None = None
-    short_tok = 0
-    long: NodeState | None = None
-    long_tok = 0
-    for n, max_tok, short_bytes in limits:
-        if not n.available:
-            continue
-        tok = n.tokens_queued + n.tokens_running
-        if tok > max_tok:
-            continue  # overloaded
-        if n.read_pending_bytes < short_bytes:
-            if short is None or tok < short_tok or (tok == short_tok and _before(n, short)):
-                short, short_tok = n, tok
-        elif long is None or tok < long_tok or (tok == long_tok and _before(n, long)):
-            long, long_tok = n, tok
-    if short is not None:
-        return short, True, short_tok
-    return None if long is None else (long, False, long_tok)
-
-
-def _before(a: NodeState, b: NodeState) -> bool:
-    """Tie-break of equal token counts: shorter read queue, then node id (deterministic)."""
-    if a.read_pending_bytes != b.read_pending_bytes:
-        return a.read_pending_bytes < b.read_pending_bytes
-    return a.node_id < b.node_id
-
-
-def pick_decode(
-    request: RouteRequest, groups: list[tuple[str, list[NodeState]]]
-) -> NodeState | None:
+def pick_decode(request: RouteRequest, groups: list[DecodeGroup]) -> NodeState | None:
     """The paper's decode choice over one config pool's groups; None: no engine has room.
 
     Phase 1 takes the group with the fewest tokens (over its available engines). The paper's
     group would queue a request until memory frees up; a router has no such queue, so a
     least-loaded group without an engine that has room for the context gives way to the
     least-loaded group that has one. That is one rule, "the least-loaded group with room",
-    found in one pass (the least-loaded group, when it has room, is also the first of them).
+    found in one pass over the groups' totals (the least-loaded group, when it has room, is
+    also the first of them).
     """
     need = request.context_bytes
-    best_tok, best_n, engines = 0, 0, None
-    for _, members in groups:  # sorted by name: the first of equal groups wins
-        tok = 0
-        cnt = 0
-        room = False
-        for n in members:
-            if n.available:
-                tok += n.tokens_queued + n.tokens_running
-                cnt += 1
-                room = room or n.buffer_free_bytes >= need
-        if room and (engines is None or tok < best_tok):
-            best_tok, best_n, engines = tok, cnt, members
+    best: DecodeGroup | None = None
+    for g in groups:  # sorted by name: the first of equal groups wins
+        if g.stale:
+            g.refresh()
+        most = g.most_free
+        if most is not None and most >= need and (best is None or g.tokens < best.tokens):
+            best = g
     # Phase 2 within the group: it has an available engine with room, so this is never None.
-    return None if engines is None else _pick_engine(request, engines, best_tok, best_n)
+    return None if best is None else _pick_engine(request, best.members, best.tokens, best.engines)
 
 
 def _pick_engine(
@@ -137,21 +102,22 @@ def _pick_engine(
     z = DECODE_BALANCE_SLACK * (length + group_tok) / group_n
     need = request.context_bytes
     fit: NodeState | None = None
+    fit_tok = 0
     room: NodeState | None = None
     room_tok = 0
-    for n in engines:
-        if n.buffer_free_bytes < need or not n.available:
+    for n in engines:  # the slots' private names: this loop is hot (`NodeState`)
+        if n._buffer_free_bytes < need or not n.available:
             continue
-        tok = n.tokens_queued + n.tokens_running
+        tok = n._tokens_queued + n._tokens_running
         if tok + length <= z and (
             fit is None
             or n.requests_running < fit.requests_running
             or (
                 n.requests_running == fit.requests_running
-                and (tok, n.node_id) < (fit.tokens_queued + fit.tokens_running, fit.node_id)
+                and (tok, n.node_id) < (fit_tok, fit.node_id)
             )
         ):
-            fit = n
+            fit, fit_tok = n, tok
         if room is None or tok < room_tok or (tok == room_tok and n.node_id < room.node_id):
             room, room_tok = n, tok
     return fit if fit is not None else room
@@ -184,8 +150,8 @@ def path_finish_s(
     if hit <= 0:
         return 0.0, 0.0
     # each side: seconds until its read queue has read this request's hit bytes
-    via_p = (prefill.read_pending_bytes + hit) / prefill.snic_bytes_per_s
-    via_d = (decode.read_pending_bytes + hit) / decode.snic_bytes_per_s
+    via_p = (prefill._read_pending_bytes + hit) / prefill.snic_bytes_per_s
+    via_d = (decode._read_pending_bytes + hit) / decode.snic_bytes_per_s
     cnic = view.cnic_bytes_per_s
     if cnic > 0 and hit / cnic > via_d:
         via_d = hit / cnic
