@@ -5,7 +5,8 @@ its step and showing kubectl's stderr: the example applied; a preset spec's conf
 to `dualpath render`'s; a storm of 50 `kubectl scale dpp/...` with the operator killed and
 restarted twice ending at the last value; an unsafe scale reported; every bad input refused at
 admission or Degraded with a reason; `frontend.replicas: 0` pruned; `kubectl delete dpc` with
-the operator stopped; `helm uninstall` then namespace deletion. Images need not be pullable
+the operator stopped; `helm install` shipping the Grafana dashboard ConfigMap (and the PodMonitor
+where the Prometheus Operator's CRD is installed), `helm uninstall`, then namespace deletion. Images need not be pullable
 and pods may stay Pending (no kubelet needed).
 """
 
@@ -373,6 +374,31 @@ def test_7_helm_uninstall_then_namespace_deletion(namespace):
             ],
             timeout_s=300,
         )
+    with step("the Grafana dashboard ConfigMap carries the sidecar's label and the repo's JSON"):
+        cms = json.loads(
+            kubectl("get", "configmap", "-n", ns, "-l", "grafana_dashboard=1", "-o", "json").stdout
+        )["items"]
+        if len(cms) != 1:
+            raise StepFailed(f"want 1 ConfigMap labelled grafana_dashboard=1, got {len(cms)}")
+        shipped = json.loads(cms[0]["data"]["dualpath.json"])
+        want = json.loads(
+            (ROOT / "charts" / "dualpath" / "dashboards" / "dualpath.json").read_text()
+        )
+        if shipped != want:
+            raise StepFailed("the dashboard in the ConfigMap differs from dashboards/dualpath.json")
+    with step("the PodMonitor, where the Prometheus Operator's CRD is installed"):
+        has_crd = kubectl("get", "crd", "podmonitors.monitoring.coreos.com", check=False)
+        if has_crd.returncode == 0:
+            run(
+                [HELM, "upgrade", release, str(ROOT / "charts" / "dualpath"), "-n", ns]
+                + ["--reuse-values", "--set", "podMonitor.enabled=true"],
+                timeout_s=300,
+            )
+            kubectl("get", "podmonitor", "-n", ns, f"{release}-data-plane")
+        else:
+            print(
+                "no PodMonitor CRD on this cluster: the PodMonitor is checked by helm lint/template only"
+            )
     with step("a DualPathCluster in the release namespace"):
         kubectl("apply", "-f", "-", input=yaml.safe_dump(example(ns)))
     with step("helm uninstall"):
