@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from dualpath.config import local_default
-from dualpath.frontend.app import MAX_JSON_DEPTH, create_app
+from dualpath.frontend.app import create_app
+from dualpath.frontend.schema import MAX_JSON_DEPTH
 from dualpath.frontend.backend import BackendError, Event, FakeBackend, TurnRequest
 
 CFG = local_default()
