@@ -14,22 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from dualpath.config import local_default
-from dualpath.local.cluster import LocalCluster, with_overrides
+from dualpath.local.cluster import LocalCluster
+from tiny_configs import tiny_local
 
 pytestmark = pytest.mark.slow
 
 
 def _cfg(tmp: Path, policy: str):
-    return with_overrides(
-        local_default(),
+    return tiny_local(
         **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
             "scheduler.policy": policy,
             "storage.path": str(tmp / f"kv-{policy}"),
             "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
         },
     )
 

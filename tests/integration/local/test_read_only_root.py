@@ -20,8 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from dualpath.config import local_default
-from dualpath.local.cluster import with_overrides
+from tiny_configs import tiny_local
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +56,9 @@ def test_dualpath_up_serves_hits_on_a_read_only_root(tmp_path: Path) -> None:
         pytest.skip(why)
     rw = tmp_path / "writable"  # the pods' emptyDir + storage volume
     (rw / "tmp").mkdir(parents=True)
-    cfg = with_overrides(
-        local_default(),
-        **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-            "scheduler.policy": "dualpath",
-            "storage.path": str(rw / "kv"),
-            "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
-        },
+    cfg = tiny_local(
+        BT,
+        **{"scheduler.policy": "dualpath", "storage.path": str(rw / "kv"), "storage.snicGbps": 8},
     )
     cfg_file = rw / "cluster.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))

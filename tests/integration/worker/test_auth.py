@@ -20,13 +20,14 @@ import yaml
 
 pytest.importorskip("nixl_cu12")
 
-from dualpath.config import Role, from_resource  # noqa: E402
+from dualpath.config import Role  # noqa: E402
 from dualpath.grpc_auth import ClusterToken, channel, write_token_file  # noqa: E402
 from dualpath.scheduler.client import SchedulerClient  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from tiny_configs import tiny_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +35,11 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
 def _config(tmp: Path):
-    return from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "auth"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
-                "prefill": {"replicas": 1, "kvBufferBytes": 16 << 20},
-                "decode": {"replicas": 1, "kvBufferBytes": 16 << 20},
-                "storage": {"path": str(tmp / "kv")},
-            },
-        }
+    return tiny_cluster(
+        "auth",
+        prefill={"replicas": 1, "kvBufferBytes": 16 << 20},
+        decode={"replicas": 1, "kvBufferBytes": 16 << 20},
+        storage={"path": str(tmp / "kv")},
     )
 
 

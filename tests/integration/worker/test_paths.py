@@ -24,12 +24,13 @@ from prometheus_client import REGISTRY
 
 pytest.importorskip("nixl_cu12")
 
-from dualpath.config import Role, from_resource  # noqa: E402
+from dualpath.config import Role  # noqa: E402
 from dualpath.kv import block_ids  # noqa: E402
 from dualpath.kv.backend import PreadvBackend  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from tiny_configs import tiny_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +38,12 @@ BT = 16
 
 
 def _config(tmp: Path):
-    return from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "paths"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-                "prefill": {"replicas": 1, "kvBufferBytes": 32 << 20},
-                "decode": {"replicas": 1, "kvBufferBytes": 32 << 20},
-                "storage": {"path": str(tmp / "kv"), "readTimeoutMs": 1000},
-            },
-        }
+    return tiny_cluster(
+        "paths",
+        BT,
+        prefill={"replicas": 1, "kvBufferBytes": 32 << 20},
+        decode={"replicas": 1, "kvBufferBytes": 32 << 20},
+        storage={"path": str(tmp / "kv"), "readTimeoutMs": 1000},
     )
 
 
