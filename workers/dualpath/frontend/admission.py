@@ -122,6 +122,13 @@ def stops_of(req: GenerationRequest) -> list[str]:
     return stops
 
 
+def _refuse_out_of_vocab(ids: list[int], vocab_size: int, param: str, what: str) -> None:
+    if any(i < 0 or i >= vocab_size for i in ids):
+        raise ApiError(
+            400, f"{what} must be in [0, {vocab_size})", param=param, code="invalid_parameter"
+        )
+
+
 def turn_for(
     fr: Frontend,
     req: GenerationRequest,
@@ -138,13 +145,7 @@ def turn_for(
         ids = fr.sessions.prompt_ids(session_key(sid, salt), text or "", fr.tok)
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_parameter")
-    if any(i < 0 or i >= vocab_size for i in ids):
-        raise ApiError(
-            400,
-            f"prompt token ids must be in [0, {vocab_size})",
-            param="prompt",
-            code="invalid_parameter",
-        )
+    _refuse_out_of_vocab(ids, vocab_size, "prompt", "prompt token ids")
     if (
         req.max_tokens
         and req.max_completion_tokens
@@ -174,13 +175,7 @@ def turn_for(
             code="invalid_parameter",
         )
     stop_ids = list(req.stop_token_ids or ())
-    if any(i < 0 or i >= vocab_size for i in stop_ids):
-        raise ApiError(
-            400,
-            f"stop_token_ids must be in [0, {vocab_size})",
-            param="stop_token_ids",
-            code="invalid_parameter",
-        )
+    _refuse_out_of_vocab(stop_ids, vocab_size, "stop_token_ids", "stop_token_ids")
     if not req.ignore_eos:
         stop_ids.append(fr.tok.eos_id)
     if len(ids) + max_new > fe.max_context_tokens:
