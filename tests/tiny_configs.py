@@ -3,6 +3,9 @@ once. Importable from every test (`pythonpath = ["tests"]` in pyproject.toml), a
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
 from dualpath.config import ClusterConfig, from_resource, local_default
 from dualpath.local.cluster import with_overrides
 
@@ -10,6 +13,12 @@ from dualpath.local.cluster import with_overrides
 def tiny_model(block_tokens: int = 16) -> dict:
     """The `spec.model` of the tiny preset (CPU-fast), `block_tokens` per KV block."""
     return {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": block_tokens}
+
+
+def pools(replicas: int, buffer_bytes: int) -> dict:
+    """`spec.prefill` and `spec.decode` alike: `replicas` workers of `buffer_bytes` KV buffer."""
+    pool = {"replicas": replicas, "kvBufferBytes": buffer_bytes}
+    return {"prefill": pool, "decode": dict(pool)}
 
 
 def tiny_cluster(name: str, block_tokens: int = 16, **spec: object) -> ClusterConfig:
@@ -39,3 +48,9 @@ def tiny_local(
             **spec_paths,
         },
     )
+
+
+def write_config(cfg: ClusterConfig, path: Path) -> Path:
+    """`cfg` as the DualPathCluster YAML file a process reads with `-f`."""
+    path.write_text(yaml.safe_dump(cfg.to_resource()))
+    return path

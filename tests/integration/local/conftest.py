@@ -7,17 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 from dualpath.local import bench
-from tiny_configs import tiny_local
+from tiny_configs import tiny_local, write_config
 
 
 @pytest.fixture
 def bench_args(tmp_path: Path) -> Callable[..., argparse.Namespace]:
     """`dualpath bench local`'s arguments: the tiny cluster (16 MiB KV buffers) as `-f`,
     `--out tmp_path/out`, `--json`, then the test's own."""
-    cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(yaml.safe_dump(tiny_local(buffer_bytes=16 << 20).to_resource()))
+    cfg_file = write_config(tiny_local(buffer_bytes=16 << 20), tmp_path / "c.yaml")
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from dualpath.local.cluster import LocalCluster
-from tiny_configs import tiny_local
+from tiny_configs import tiny_local, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -160,8 +159,7 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_dualpath_up_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
-    cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(yaml.safe_dump(_cfg(tmp_path, "dualpath").to_resource()))
+    cfg_file = write_config(_cfg(tmp_path, "dualpath"), tmp_path / "c.yaml")
     proc = subprocess.Popen(
         [
             sys.executable,

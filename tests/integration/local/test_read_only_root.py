@@ -19,8 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from tiny_configs import tiny_local
+from tiny_configs import tiny_local, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +59,7 @@ def test_dualpath_up_serves_hits_on_a_read_only_root(tmp_path: Path) -> None:
         BT,
         **{"scheduler.policy": "dualpath", "storage.path": str(rw / "kv"), "storage.snicGbps": 8},
     )
-    cfg_file = rw / "cluster.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
+    cfg_file = write_config(cfg, rw / "cluster.yaml")
     up = [sys.executable, "-m", "dualpath.cli", "up", "-f", str(cfg_file)]
     up += ["--run-dir", str(rw / "run"), "--grace", "3"]
     proc = subprocess.Popen(

@@ -3,8 +3,6 @@
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -12,6 +10,7 @@ from dualpath import config
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.scheduler.policy import NodeLoad
+from dualpath_proc import spawn_ready
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from schedtools import free_port, wait_nodes
@@ -101,25 +100,7 @@ async def test_route_drain_and_liveness(server):
 
 
 def start_scheduler(port):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dualpath.cli",
-            "scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), line
-    return proc
+    return spawn_ready(["scheduler", "--host", "127.0.0.1", "--port", str(port)])[0]
 
 
 @pytest.mark.slow

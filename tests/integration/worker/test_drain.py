@@ -28,7 +28,7 @@ from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
 from prometheus_client import REGISTRY  # noqa: E402
-from tiny_configs import tiny_cluster  # noqa: E402
+from tiny_configs import pools, tiny_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,7 @@ def _config(tmp: Path):
     return tiny_cluster(
         "drain",
         BT,
-        prefill={"replicas": 2, "kvBufferBytes": 16 << 20},
-        decode={"replicas": 2, "kvBufferBytes": 16 << 20},
+        **pools(2, 16 << 20),
         # ~300 hit tokens x 1 KiB (tiny model) at 50 KB/s past the 64 KiB burst: ~5 s,
         # longer than the drain's settle time and the gRPC server's stop grace together
         storage={"path": str(tmp / "kv"), "snicGbps": 0.0004},
