@@ -432,4 +432,3 @@ class ComputeLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
