@@ -54,7 +54,7 @@ class Frontend:
         tok = load_tokenizer(spec.model)
         registry = registry or CollectorRegistry()
         metrics = FrontendMetrics(registry)
-        for collector in getattr(backend, "collectors", ()):  # the backend's own (retries, ...)
+        for collector in backend.collectors:  # the backend's own (retries, ...)
             registry.register(collector)
         return cls(
             backend=backend,
