@@ -21,24 +21,12 @@ def load(pending=0):
 
 
 def agents_for(address, prefill=2, decode=2):
-    out = []
-    for i in range(prefill):
-        out.append(
-            NodeAgent(
-                address,
-                Registration(f"p{i}", "prefill", f"127.0.0.1:{7000 + i}", snic_bytes_per_s=1e9),
-                load(),
-            )
-        )
-    for i in range(decode):
-        out.append(
-            NodeAgent(
-                address,
-                Registration(f"d{i}", "decode", f"127.0.0.1:{7100 + i}", snic_bytes_per_s=1e9),
-                load(),
-            )
-        )
-    return out
+    nodes = [(f"p{i}", "prefill", 7000 + i) for i in range(prefill)]
+    nodes += [(f"d{i}", "decode", 7100 + i) for i in range(decode)]
+    return [
+        NodeAgent(address, Registration(n, role, f"127.0.0.1:{port}", snic_bytes_per_s=1e9), load())
+        for n, role, port in nodes
+    ]
 
 
 @pytest.fixture
