@@ -2,54 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
-import yaml
-from dualpath.config import local_default
 from dualpath.local import bench
-from dualpath.local.cluster import with_overrides
 
 pytestmark = pytest.mark.slow
 
 
-def test_bench_local_runs_both_policies_from_one_seed(tmp_path: Path, capsys) -> None:
-    cfg = with_overrides(
-        local_default(),
-        **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
-            "prefill.kvBufferBytes": 16 << 20,
-            "decode.kvBufferBytes": 16 << 20,
-        },
-    )
-    cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            "-f",
-            str(cfg_file),
-            "--out",
-            str(tmp_path / "out"),
-            "--json",
-            "--agents",
-            "2",
-            "--turns",
-            "3",
-            "--first-tokens",
-            "96",
-            "--append-tokens",
-            "8",
-            "--gen-tokens",
-            "2",
-            "--snic-gbps",
-            "1",
-            "--plot",
-            str(tmp_path / "p.png"),
-        ]
+def test_bench_local_runs_both_policies_from_one_seed(tmp_path: Path, capsys, bench_args) -> None:
+    args = bench_args(
+        *["--agents", "2", "--turns", "3", "--first-tokens", "96", "--append-tokens", "8"],
+        *["--gen-tokens", "2", "--snic-gbps", "1", "--plot", str(tmp_path / "p.png")],
     )
     assert bench.run(args) == 0
     doc = json.loads(capsys.readouterr().out)

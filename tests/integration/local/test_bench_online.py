@@ -8,10 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-from dualpath.config import local_default
 from dualpath.local import bench, online
-from dualpath.local.cluster import with_overrides
 
 
 def _turn(ttft: float, latency: float, gen: int, ok: bool = True) -> bench.TurnResult:
@@ -53,24 +50,11 @@ def test_trajectories_arrive_as_a_poisson_process_with_fresh_ids() -> None:
 
 
 @pytest.mark.slow
-def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys) -> None:
-    cfg = with_overrides(
-        local_default(),
-        **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
-            "prefill.kvBufferBytes": 16 << 20,
-            "decode.kvBufferBytes": 16 << 20,
-        },
-    )
-    cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(
-        ["-f", str(cfg_file), "--out", str(tmp_path / "out"), "--json", "--online"]
-        + ["--rates", "1,4", "--agents", "3", "--turns", "2", "--think-s", "0.1"]
-        + ["--first-tokens", "96", "--append-tokens", "8", "--gen-tokens", "3"]
-        + ["--snic-gbps", "1", "--plot", str(tmp_path / "p.png")]
+def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys, bench_args) -> None:
+    args = bench_args(
+        *["--online", "--rates", "1,4", "--agents", "3", "--turns", "2", "--think-s", "0.1"],
+        *["--first-tokens", "96", "--append-tokens", "8", "--gen-tokens", "3"],
+        *["--snic-gbps", "1", "--plot", str(tmp_path / "p.png")],
     )
     assert bench.run(args) == 0
     doc = json.loads(capsys.readouterr().out)

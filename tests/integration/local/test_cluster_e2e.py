@@ -13,23 +13,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from dualpath.config import local_default
-from dualpath.local.cluster import LocalCluster, with_overrides
+from dualpath.local.cluster import LocalCluster
+from tiny_configs import tiny_local, write_config
 
 pytestmark = pytest.mark.slow
 
 
 def _cfg(tmp: Path, policy: str):
-    return with_overrides(
-        local_default(),
+    return tiny_local(
         **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
             "scheduler.policy": policy,
             "storage.path": str(tmp / f"kv-{policy}"),
             "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
         },
     )
 
@@ -164,8 +159,7 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_dualpath_up_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
-    cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(yaml.safe_dump(_cfg(tmp_path, "dualpath").to_resource()))
+    cfg_file = write_config(_cfg(tmp_path, "dualpath"), tmp_path / "c.yaml")
     proc = subprocess.Popen(
         [
             sys.executable,

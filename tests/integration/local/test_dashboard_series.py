@@ -278,20 +278,16 @@ def test_dashboard_is_well_formed() -> None:
 
 @pytest.mark.slow
 def test_every_dashboard_series_exists_on_a_running_cluster(tmp_path: Path) -> None:
-    from dualpath.config import local_default
-    from dualpath.local.cluster import LocalCluster, with_overrides
+    from dualpath.local.cluster import LocalCluster
+    from tiny_configs import tiny_local
 
     # decode-read: every hit is read by the decode node, so both paths' series exist after two
     # turns (the first turn, a miss, runs on path P's side); dualpath's choice is load-dependent
-    cfg = with_overrides(
-        local_default(),
+    cfg = tiny_local(
         **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
             "scheduler.policy": "decode-read",
             "storage.path": str(tmp_path / "kv"),
             "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
         },
     )
     model = cfg.spec.model.name

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dualpath.config import local_default
-from dualpath.local.cluster import LocalCluster, with_overrides
+from dualpath.local.cluster import LocalCluster
 from dualpath.process import uses_storage
+from tiny_configs import tiny_local
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +24,9 @@ BT = 16
 
 
 def _cfg(pod_storage: Path):
-    return with_overrides(
-        local_default(),
-        **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-            "scheduler.policy": "dualpath",
-            "storage.path": str(pod_storage),
-            "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
-        },
+    return tiny_local(
+        BT,
+        **{"scheduler.policy": "dualpath", "storage.path": str(pod_storage), "storage.snicGbps": 8},
     )
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from dualpath.config import local_default
 from dualpath.frontend.tokenizer import ByteTokenizer
-from dualpath.local.cluster import LocalCluster, with_overrides
+from dualpath.local.cluster import LocalCluster
 from dualpath.local.guidellm_bench import Load, run_guidellm, summarize
+from tiny_configs import tiny_local
 
 pytestmark = pytest.mark.slow
 
@@ -23,15 +23,7 @@ BT = 16  # tokens per KV block: small, so short prompts hit
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("openai-clients")
-    cfg = with_overrides(
-        local_default(),
-        **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-            "storage.path": str(tmp / "kv"),
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
-        },
-    )
+    cfg = tiny_local(BT, **{"storage.path": str(tmp / "kv")})
     with LocalCluster(cfg, tmp / "run", sink=io.StringIO(), grace_s=3) as cl:
         yield cl
 

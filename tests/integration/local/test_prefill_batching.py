@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dualpath.config import local_default
-from dualpath.local.cluster import LocalCluster, with_overrides
+from dualpath.local.cluster import LocalCluster
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_configs import tiny_local
 
 pytestmark = pytest.mark.slow
 
@@ -20,15 +20,11 @@ AGENTS, TURNS = 4, 2
 
 
 def _cfg(tmp: Path, quota_ms: int):
-    return with_overrides(
-        local_default(),
+    return tiny_local(
         **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
             "scheduler.policy": "dualpath",
             "storage.path": str(tmp / f"kv-{quota_ms}"),
             "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
             "workers.prefillBatchQuotaMs": quota_ms,
         },
     )

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from dualpath.config import local_default
-from dualpath.local.cluster import with_overrides
+from tiny_configs import tiny_local, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -57,19 +55,11 @@ def test_dualpath_up_serves_hits_on_a_read_only_root(tmp_path: Path) -> None:
         pytest.skip(why)
     rw = tmp_path / "writable"  # the pods' emptyDir + storage volume
     (rw / "tmp").mkdir(parents=True)
-    cfg = with_overrides(
-        local_default(),
-        **{
-            "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-            "scheduler.policy": "dualpath",
-            "storage.path": str(rw / "kv"),
-            "storage.snicGbps": 8,
-            "prefill.kvBufferBytes": 64 << 20,
-            "decode.kvBufferBytes": 64 << 20,
-        },
+    cfg = tiny_local(
+        BT,
+        **{"scheduler.policy": "dualpath", "storage.path": str(rw / "kv"), "storage.snicGbps": 8},
     )
-    cfg_file = rw / "cluster.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
+    cfg_file = write_config(cfg, rw / "cluster.yaml")
     up = [sys.executable, "-m", "dualpath.cli", "up", "-f", str(cfg_file)]
     up += ["--run-dir", str(rw / "run"), "--grace", "3"]
     proc = subprocess.Popen(

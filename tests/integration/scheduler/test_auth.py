@@ -5,8 +5,6 @@ route; a rotated token file is picked up without a restart."""
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from dualpath.scheduler.policy import NodeLoad
 from dualpath.scheduler.wire import load_to_pb
 from dualpath.v1 import scheduler_pb2 as pb
 from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
+from dualpath_proc import spawn_ready
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from schedtools import free_port, wait_nodes
 
@@ -45,17 +44,10 @@ def token_file(tmp_path):
 @pytest.fixture
 def scheduler(token_file):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dualpath.cli", "scheduler", "--host", "127.0.0.1"]
-        + ["--port", str(port), "--token-file", str(token_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
+    proc, _ = spawn_ready(
+        ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file)]
     )
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("READY"), line
         yield f"127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

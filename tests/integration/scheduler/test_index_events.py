@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import torch
-from dualpath.config import from_resource
 from dualpath.kv import KVStore, block_ids
 from dualpath.kv.events import KvEventBuffer
 from dualpath.kv.ids import block_keys
@@ -18,22 +17,13 @@ from dualpath.scheduler.kv_events import KvEventPublisher
 from dualpath.scheduler.policy import NodeLoad
 from prometheus_client import REGISTRY
 from schedtools import free_port
+from tiny_configs import tiny_cluster
 
 BT = 16
 
 
 def cluster_config(tmp_path):
-    return from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "index"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-                "storage": {"path": str(tmp_path / "kv")},
-            },
-        }
-    )
+    return tiny_cluster("index", BT, storage={"path": str(tmp_path / "kv")})
 
 
 def kv_for(store, n_tokens):

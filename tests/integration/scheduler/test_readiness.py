@@ -4,7 +4,7 @@ and the frontend's /health is 503 while it cannot route (no prefill or no decode
 import asyncio
 import time
 
-import httpx
+from asgi_client import serving
 from dualpath import config
 from dualpath.frontend.app import create_app
 from dualpath.frontend.grpc_backend import GrpcBackend
@@ -48,21 +48,17 @@ async def test_frontend_health_is_503_until_it_can_route() -> None:
     agents = [NodeAgent(addr, Registration("p0", "prefill", "127.0.0.1:7"), NodeLoad).start()]
     app = create_app(cfg, GrpcBackend(cfg, addr, timeout_s=5))
     try:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-                await _until(lambda: agents[0].registered)
-                r = await c.get("/health")
-                assert r.status_code == 503 and "waiting for workers" in r.json()["detail"]
-                agents.append(
-                    NodeAgent(addr, Registration("d0", "decode", "127.0.0.1:8"), NodeLoad)
-                )
-                agents[-1].start()
-                await _until(lambda: agents[-1].registered)
-                assert (await c.get("/health")).status_code == 200
-                await sched.stop(0.1)
-                r = await c.get("/health")
-                assert r.status_code == 503 and "scheduler" in r.json()["detail"]
+        async with serving(app) as c:
+            await _until(lambda: agents[0].registered)
+            r = await c.get("/health")
+            assert r.status_code == 503 and "waiting for workers" in r.json()["detail"]
+            agents.append(NodeAgent(addr, Registration("d0", "decode", "127.0.0.1:8"), NodeLoad))
+            agents[-1].start()
+            await _until(lambda: agents[-1].registered)
+            assert (await c.get("/health")).status_code == 200
+            await sched.stop(0.1)
+            r = await c.get("/health")
+            assert r.status_code == 503 and "scheduler" in r.json()["detail"]
     finally:
         for a in agents:
             await a.stop()
@@ -84,21 +80,19 @@ async def test_overload_is_a_429_with_retry_after_within_the_queue_timeout() -> 
     ]
     app = create_app(cfg, GrpcBackend(cfg, addr, timeout_s=5))
     try:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-                await _until(lambda: all(a.registered for a in agents))
-                await asyncio.sleep(0.2)  # a heartbeat carries d0's full buffer
-                for stream in (False, True):
-                    t0 = time.monotonic()
-                    r = await c.post(
-                        "/v1/completions",
-                        json={"model": cfg.spec.model.name, "prompt": "hi", "stream": stream},
-                    )
-                    assert r.status_code == 429, r.text
-                    assert r.headers["retry-after"] == "1"
-                    assert r.json()["error"]["code"] == "overloaded"
-                    assert time.monotonic() - t0 < 3.0
+        async with serving(app) as c:
+            await _until(lambda: all(a.registered for a in agents))
+            await asyncio.sleep(0.2)  # a heartbeat carries d0's full buffer
+            for stream in (False, True):
+                t0 = time.monotonic()
+                r = await c.post(
+                    "/v1/completions",
+                    json={"model": cfg.spec.model.name, "prompt": "hi", "stream": stream},
+                )
+                assert r.status_code == 429, r.text
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "overloaded"
+                assert time.monotonic() - t0 < 3.0
     finally:
         for a in agents:
             await a.stop()

@@ -3,8 +3,6 @@
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -12,6 +10,7 @@ from dualpath import config
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.scheduler.policy import NodeLoad
+from dualpath_proc import spawn_ready
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from schedtools import free_port, wait_nodes
@@ -22,24 +21,12 @@ def load(pending=0):
 
 
 def agents_for(address, prefill=2, decode=2):
-    out = []
-    for i in range(prefill):
-        out.append(
-            NodeAgent(
-                address,
-                Registration(f"p{i}", "prefill", f"127.0.0.1:{7000 + i}", snic_bytes_per_s=1e9),
-                load(),
-            )
-        )
-    for i in range(decode):
-        out.append(
-            NodeAgent(
-                address,
-                Registration(f"d{i}", "decode", f"127.0.0.1:{7100 + i}", snic_bytes_per_s=1e9),
-                load(),
-            )
-        )
-    return out
+    nodes = [(f"p{i}", "prefill", 7000 + i) for i in range(prefill)]
+    nodes += [(f"d{i}", "decode", 7100 + i) for i in range(decode)]
+    return [
+        NodeAgent(address, Registration(n, role, f"127.0.0.1:{port}", snic_bytes_per_s=1e9), load())
+        for n, role, port in nodes
+    ]
 
 
 @pytest.fixture
@@ -101,25 +88,7 @@ async def test_route_drain_and_liveness(server):
 
 
 def start_scheduler(port):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dualpath.cli",
-            "scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), line
-    return proc
+    return spawn_ready(["scheduler", "--host", "127.0.0.1", "--port", str(port)])[0]
 
 
 @pytest.mark.slow

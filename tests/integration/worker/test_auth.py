@@ -9,24 +9,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 
 pytest.importorskip("nixl_cu12")
 
-from dualpath.config import Role, from_resource  # noqa: E402
+from dualpath.config import Role  # noqa: E402
 from dualpath.grpc_auth import ClusterToken, channel, write_token_file  # noqa: E402
 from dualpath.scheduler.client import SchedulerClient  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from dualpath_proc import spawn_ready  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from tiny_configs import pools, tiny_cluster, write_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -34,37 +33,11 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
 def _config(tmp: Path):
-    return from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "auth"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16},
-                "prefill": {"replicas": 1, "kvBufferBytes": 16 << 20},
-                "decode": {"replicas": 1, "kvBufferBytes": 16 << 20},
-                "storage": {"path": str(tmp / "kv")},
-            },
-        }
+    return tiny_cluster(
+        "auth",
+        **pools(1, 16 << 20),
+        storage={"path": str(tmp / "kv")},
     )
-
-
-def _spawn(args: list[str], marker: str = "READY") -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dualpath.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.monotonic() + 120
-    line = ""
-    while marker not in line:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, f"{args[0]} exited"
-        assert time.monotonic() < deadline, f"{args[0]} did not start"
-    return proc, line
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +45,15 @@ def processes(tmp_path_factory):
     """(config, token file, scheduler address, prefill worker address)."""
     tmp = tmp_path_factory.mktemp("auth")
     cfg = _config(tmp)
-    cfg_file = tmp / "cluster.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
+    cfg_file = write_config(cfg, tmp / "cluster.yaml")
     token_file = write_token_file(tmp / "token")
     common = ["-f", str(cfg_file), "--host", "127.0.0.1", "--token-file", str(token_file)]
     procs = []
     try:
-        sched, line = _spawn(["scheduler", *common, "--port", "0"])
+        sched, line = spawn_ready(["scheduler", *common, "--port", "0"])
         procs.append(sched)
         scheduler = f"127.0.0.1:{line.split('grpc=')[1].split()[0]}"
-        prefill, line = _spawn(
+        prefill, line = spawn_ready(
             ["worker", "--role", "prefill", *common, "--node-id", "prefill-0"]
             + ["--scheduler", scheduler, "--deadline", "20"]
         )

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("nixl_cu12")
 
-from dualpath.config import Role, from_resource  # noqa: E402
+from dualpath.config import Role  # noqa: E402
 from dualpath.kv import block_ids  # noqa: E402
 from dualpath.scheduler.cli import build  # noqa: E402
 from dualpath.scheduler.client import SchedulerClient  # noqa: E402
@@ -28,6 +28,7 @@ from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
 from prometheus_client import REGISTRY  # noqa: E402
+from tiny_configs import pools, tiny_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -36,25 +37,14 @@ DRAIN_S = 30
 
 
 def _config(tmp: Path):
-    return from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "drain"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-                "prefill": {"replicas": 2, "kvBufferBytes": 16 << 20},
-                "decode": {"replicas": 2, "kvBufferBytes": 16 << 20},
-                # ~300 hit tokens x 1 KiB (tiny model) at 50 KB/s past the 64 KiB burst: ~5 s,
-                # longer than the drain's settle time and the gRPC server's stop grace together
-                "storage": {"path": str(tmp / "kv"), "snicGbps": 0.0004},
-                "workers": {
-                    "drainSeconds": DRAIN_S,
-                    "transferDeadlineSeconds": 30,
-                    "kvCacheTokens": 4096,
-                },
-            },
-        }
+    return tiny_cluster(
+        "drain",
+        BT,
+        **pools(2, 16 << 20),
+        # ~300 hit tokens x 1 KiB (tiny model) at 50 KB/s past the 64 KiB burst: ~5 s,
+        # longer than the drain's settle time and the gRPC server's stop grace together
+        storage={"path": str(tmp / "kv"), "snicGbps": 0.0004},
+        workers={"drainSeconds": DRAIN_S, "transferDeadlineSeconds": 30, "kvCacheTokens": 4096},
     )
 
 

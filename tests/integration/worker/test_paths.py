@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,17 +17,18 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-import yaml
 from prometheus_client import REGISTRY
 
 pytest.importorskip("nixl_cu12")
 
-from dualpath.config import Role, from_resource  # noqa: E402
+from dualpath.config import Role  # noqa: E402
 from dualpath.kv import block_ids  # noqa: E402
 from dualpath.kv.backend import PreadvBackend  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from dualpath_proc import spawn_ready  # noqa: E402
+from tiny_configs import pools, tiny_cluster, write_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +36,11 @@ BT = 16
 
 
 def _config(tmp: Path):
-    return from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "paths"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-                "prefill": {"replicas": 1, "kvBufferBytes": 32 << 20},
-                "decode": {"replicas": 1, "kvBufferBytes": 32 << 20},
-                "storage": {"path": str(tmp / "kv"), "readTimeoutMs": 1000},
-            },
-        }
+    return tiny_cluster(
+        "paths",
+        BT,
+        **pools(1, 32 << 20),
+        storage={"path": str(tmp / "kv"), "readTimeoutMs": 1000},
     )
 
 
@@ -56,37 +48,12 @@ def _config(tmp: Path):
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("paths")
     cfg = _config(tmp)
-    cfg_file = tmp / "cluster.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.to_resource()))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dualpath.cli",
-            "worker",
-            "--role",
-            "prefill",
-            "-f",
-            str(cfg_file),
-            "--host",
-            "127.0.0.1",
-            "--node-id",
-            "prefill-0",
-            "--deadline",
-            "20",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    cfg_file = write_config(cfg, tmp / "cluster.yaml")
+    proc, line = spawn_ready(
+        ["worker", "--role", "prefill", "-f", str(cfg_file), "--host", "127.0.0.1"]
+        + ["--node-id", "prefill-0", "--deadline", "20"]
     )
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while "READY" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "prefill worker exited"
-            assert time.monotonic() < deadline, "prefill worker did not start"
         address = line.split("grpc=")[1].split()[0]
         yield cfg, address
     finally:

@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from asgi_client import serving
 from dualpath.config import local_default
-from dualpath.frontend.app import MAX_JSON_DEPTH, create_app
+from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import BackendError, Event, FakeBackend, TurnRequest
+from dualpath.frontend.schema import MAX_JSON_DEPTH
 
 CFG = local_default()
 MODEL = CFG.spec.model.name
@@ -42,11 +44,8 @@ def backend() -> FailingBackend:
 
 @pytest.fixture
 async def client(backend: FailingBackend):
-    app = create_app(CFG, backend)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            yield c
+    async with serving(create_app(CFG, backend)) as c:
+        yield c
 
 
 def _raw(obj: object) -> bytes:

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+from asgi_client import serving
 from dualpath.config import local_default
 from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import FakeBackend
@@ -22,11 +23,8 @@ def fake() -> FakeBackend:
 
 @pytest.fixture
 async def client(fake: FakeBackend):
-    app = create_app(CFG, fake)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            yield c
+    async with serving(create_app(CFG, fake)) as c:
+        yield c
 
 
 def test_tokenizer_roundtrip_and_stream() -> None:

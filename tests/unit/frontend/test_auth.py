@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from asgi_client import serving
 from dualpath.config import ClusterConfig, local_default, parse_spec
 from dualpath.frontend.app import create_app
 from dualpath.frontend.auth import ApiKeys, ApiKeysError, TokenBuckets, key_id
@@ -30,10 +31,8 @@ def _cfg(**auth) -> ClusterConfig:
     return ClusterConfig(name=CFG.name, namespace=CFG.namespace, spec=parse_spec(spec))
 
 
-async def _client(cfg: ClusterConfig, keys: ApiKeys | None):
-    app = create_app(cfg, FakeBackend(cfg.spec.model), api_keys=keys)
-    transport = httpx.ASGITransport(app=app)
-    return app, httpx.AsyncClient(transport=transport, base_url="http://t")
+def _app(cfg: ClusterConfig, keys: ApiKeys | None):
+    return create_app(cfg, FakeBackend(cfg.spec.model), api_keys=keys)
 
 
 def _bearer(key: str) -> dict[str, str]:
@@ -43,8 +42,7 @@ def _bearer(key: str) -> dict[str, str]:
 async def test_missing_wrong_and_right_keys_and_open_health_and_metrics(tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("# team a\nsk-alpha\n\nsk-beta\n")
-    app, client = await _client(CFG, ApiKeys(keys_file, recheck_s=0))
-    async with app.router.lifespan_context(app), client as c:
+    async with serving(_app(CFG, ApiKeys(keys_file, recheck_s=0))) as c:
         r = await c.post("/v1/completions", json=REQ)
         assert r.status_code == 401
         err = r.json()["error"]
@@ -90,8 +88,7 @@ async def test_missing_wrong_and_right_keys_and_open_health_and_metrics(tmp_path
 async def test_a_rotated_key_file_takes_effect_without_a_restart(tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("sk-old\n")
-    app, client = await _client(CFG, ApiKeys(keys_file, recheck_s=0))
-    async with app.router.lifespan_context(app), client as c:
+    async with serving(_app(CFG, ApiKeys(keys_file, recheck_s=0))) as c:
         assert (await c.post("/v1/completions", json=REQ, headers=_bearer("sk-old"))).is_success
         keys_file.write_text("sk-new-longer\n")  # rewritten in place
         r = await c.post("/v1/completions", json=REQ, headers=_bearer("sk-new-longer"))
@@ -167,8 +164,7 @@ async def test_a_key_over_its_rate_gets_429_with_retry_after(tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("sk-a\nsk-b\n")
     cfg = _cfg(requestsPerSecond=0.1, burst=2)
-    app, client = await _client(cfg, ApiKeys(keys_file, recheck_s=0))
-    async with app.router.lifespan_context(app), client as c:
+    async with serving(_app(cfg, ApiKeys(keys_file, recheck_s=0))) as c:
         codes = [
             (await c.post("/v1/completions", json=REQ, headers=_bearer("sk-a"))).status_code
             for _ in range(2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import httpx
+from asgi_client import serving
 from dualpath.config import local_default
 from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import FakeBackend
@@ -14,14 +14,8 @@ CFG = local_default()
 
 async def _replay(fake: FakeBackend, trs, seed: int, **kw):
     """`replay` against the real app over the in-memory fake cluster."""
-    app = create_app(CFG, fake)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
-        ) as c:
-            return await replay(
-                c, trs, CFG.spec.model.name, CFG.spec.model.vocab_size, seed=seed, **kw
-            )
+    async with serving(create_app(CFG, fake)) as c:
+        return await replay(c, trs, CFG.spec.model.name, CFG.spec.model.vocab_size, seed=seed, **kw)
 
 
 async def _replay_policy(policy: str):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import httpx
+from asgi_client import serving
 from dualpath.config import local_default
 from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import FakeBackend
@@ -23,11 +23,8 @@ async def test_recorded_prompts_and_a_compaction_are_sent_as_recorded() -> None:
         ],
     )
     app = create_app(CFG, FakeBackend(CFG.spec.model, policy="dualpath"))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
-        ) as c:
-            res = await replay(c, [tr], CFG.spec.model.name, CFG.spec.model.vocab_size, seed=3)
+    async with serving(app) as c:
+        res = await replay(c, [tr], CFG.spec.model.name, CFG.spec.model.vocab_size, seed=3)
     assert [r.prompt_tokens for r in res] == [300, 343, 200] and all(r.ok for r in res)
     # The compacted prompt re-uses only its first 128 tokens: the store hits no more than that.
     assert res[1].cached_tokens >= 256 and res[2].cached_tokens <= 128

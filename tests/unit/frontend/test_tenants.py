@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from asgi_client import serving
 from dualpath.config import ClusterConfig, local_default, parse_spec
 from dualpath.frontend.app import create_app
 from dualpath.frontend.auth import ApiKeys, cache_salt, key_id
@@ -38,9 +39,7 @@ def _secret(tmp: Path, data: dict[str, str]) -> Path:
 
 def _app(cfg: ClusterConfig, keys: ApiKeys | None):
     backend = FakeBackend(cfg.spec.model)
-    app = create_app(cfg, backend, api_keys=keys)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
-    return app, client
+    return create_app(cfg, backend, api_keys=keys)
 
 
 async def _cached(c: httpx.AsyncClient, key: str | None, **extra) -> int:
@@ -75,8 +74,8 @@ def test_a_keys_tenant_is_its_secret_entry_or_the_key_itself(tmp_path):
 
 async def test_tenants_hit_their_own_prefix_and_never_anothers(tmp_path):
     keys = ApiKeys(_secret(tmp_path, {"team-a": "sk-a1\nsk-a2\n", "team-b": "sk-b"}), 0)
-    app, client = _app(CFG, keys)
-    async with app.router.lifespan_context(app), client as c:
+    app = _app(CFG, keys)
+    async with serving(app) as c:
         assert await _cached(c, "sk-a1") == 0
         hit = await _cached(c, "sk-a1")
         assert hit >= 4 * CFG.spec.model.block_tokens
@@ -92,16 +91,16 @@ async def test_tenants_hit_their_own_prefix_and_never_anothers(tmp_path):
 
 async def test_opting_out_shares_one_cache_between_keys(tmp_path):
     keys = ApiKeys(_secret(tmp_path, {"team-a": "sk-a", "team-b": "sk-b"}), 0)
-    app, client = _app(_cfg(secretName="keys", isolateTenants=False), keys)
-    async with app.router.lifespan_context(app), client as c:
+    app = _app(_cfg(secretName="keys", isolateTenants=False), keys)
+    async with serving(app) as c:
         assert await _cached(c, "sk-a") == 0
         assert await _cached(c, "sk-b") > 0  # single-tenant cluster: one shared cache
         assert await _cached(c, "sk-b", cache_salt="mine") == 0  # a request salt still applies
 
 
 async def test_without_keys_the_cache_is_shared_unless_the_request_salts_it():
-    app, client = _app(CFG, None)
-    async with app.router.lifespan_context(app), client as c:
+    app = _app(CFG, None)
+    async with serving(app) as c:
         assert await _cached(c, None) == 0
         hit = await _cached(c, None)
         assert hit > 0
@@ -111,8 +110,8 @@ async def test_without_keys_the_cache_is_shared_unless_the_request_salts_it():
 
 @pytest.mark.parametrize("bad", ["", 7, ["a"], "x" * 257])
 async def test_a_malformed_cache_salt_is_refused_naming_the_field(bad):
-    app, client = _app(CFG, None)
-    async with app.router.lifespan_context(app), client as c:
+    app = _app(CFG, None)
+    async with serving(app) as c:
         for path, body in (
             ("/v1/completions", {"prompt": PROMPT}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -127,8 +126,8 @@ async def test_a_malformed_cache_salt_is_refused_naming_the_field(bad):
 async def test_a_session_id_does_not_cross_tenants(tmp_path):
     """Tenant B naming tenant A's session id gets its own history, not A's token ids."""
     keys = ApiKeys(_secret(tmp_path, {"team-a": "sk-a", "team-b": "sk-b"}), 0)
-    app, client = _app(CFG, keys)
-    async with app.router.lifespan_context(app), client as c:
+    app = _app(CFG, keys)
+    async with serving(app) as c:
         await _cached(c, "sk-a", session_id="s1")
         sessions = app.state.sessions
         assert len(sessions._s) == 1

@@ -9,6 +9,7 @@ from dualpath.config import local_default
 from dualpath.local import bench
 from dualpath.local.cluster import with_overrides
 from dualpath.trace import Trajectory, Turn
+from tiny_configs import tiny_model
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,9 +37,7 @@ def test_median_turn_is_the_measured_turns_median_in_whole_blocks() -> None:
 
 
 def test_calibration_sets_the_cap_from_the_measured_prefill() -> None:
-    cfg = with_overrides(
-        local_default(), model={"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16}
-    )
+    cfg = with_overrides(local_default(), model=tiny_model(16))
     tr = Trajectory("a", [Turn(8, 2)] * 4, first_tokens=64)
     cal = bench.calibrate_snic(cfg, [tr], warmup_turns=1, read_to_compute=4.0, samples=3)
     assert cal.hit_tokens % 16 == 0 and cal.hit_tokens > 0 and cal.prefill_s > 0

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from dualpath.cli import main
+from dualpath.sim.presets import PRESETS
 
 
 def _run(capsys, *argv: str) -> dict:
@@ -17,7 +18,7 @@ def test_tiny_offline_json_has_per_policy_results_and_ratios(capsys, tmp_path) -
     png = tmp_path / "tiny.png"
     out = _run(capsys, "--preset", "tiny", "--plot", str(png))
     assert out["mode"] == "offline" and out["baseline"] == "prefill-read"
-    assert [p["x"] for p in out["points"]] == [8, 16]
+    assert [p["x"] for p in out["points"]] == list(PRESETS["tiny"].xs)  # each x, once, in order
     for pt in out["points"]:
         assert set(pt["policies"]) == {"dualpath", "prefill-read"}
         assert pt["policies"]["dualpath"]["agents_done"] == pt["x"]
@@ -47,10 +48,21 @@ def test_online_reports_max_rate_under_the_sla(capsys) -> None:
         "1",
         "--policies",
         "dualpath,prefill-read,round-robin",
+        "--ttft-sla",
+        "2.5",
     )
     assert out["x"] == "agent_arrivals_per_s"
-    assert out["ttft_sla_s"] == 4.0
-    assert set(out["max_arrival_rate_meeting_sla"]) == {"dualpath", "prefill-read", "round-robin"}
+    assert out["ttft_sla_s"] == 2.5  # the flag, not the preset's default
+    best = out["max_arrival_rate_meeting_sla"]
+    assert set(best) == {"dualpath", "prefill-read", "round-robin"}
+    ttft = f"ttft_p{int(out['sla_percentile'])}_s"
+    for pol, rate in best.items():  # the highest load whose TTFT percentile meets the SLA
+        meeting = [
+            pt["x"]
+            for pt in out["points"]
+            if (v := pt["policies"][pol][ttft]) is not None and v <= out["ttft_sla_s"]
+        ]
+        assert rate == (max(meeting) if meeting else None), pol
     assert "max_arrival_rate_ratio" in out["ratios"]
 
 

@@ -114,6 +114,7 @@ def test_plan_evaluates_given_splits(tmp_path, capsys) -> None:
         (["--ttft-slo", "0"], "--ttft-slo"),
         (["--sessions", "0"], "--sessions"),
         (["--splits", "2-4"], "--splits"),
+        (["--max-context", "-1"], "--max-context"),
     ],
 )
 def test_plan_refuses_bad_options_by_name(tmp_path, capsys, extra, flag) -> None:

@@ -10,12 +10,12 @@ import time
 
 import pytest
 from dualpath.config import NetworkSpec, QosSpec
+from dualpath.transfer.bench import measure_isolation
 from dualpath.transfer.link import (
     TRAFFIC_CLASSES,
     ComputeLink,
     FairShareScheduler,
     LinkClosed,
-    measure_isolation,
 )
 from fake_clock import FakeClock
 

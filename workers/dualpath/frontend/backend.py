@@ -12,9 +12,11 @@ import asyncio
 import hashlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from prometheus_client.registry import Collector
 
 from dualpath.config import ModelSpec
 from dualpath.kv.ids import block_ids
@@ -72,6 +74,8 @@ Event = Routed | Tokens | Finished
 
 
 class Backend(Protocol):
+    collectors: Sequence[Collector]  # its own metrics, served on the app's /metrics
+
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def health(self) -> tuple[bool, str]: ...
@@ -94,6 +98,7 @@ class FakeBackend:
     healthy: bool = True
     stored: set[str] = field(default_factory=set)
     turns: list[Routed] = field(default_factory=list)
+    collectors: tuple[Collector, ...] = ()
     _counter: itertools.count = field(default_factory=itertools.count)
 
     async def start(self) -> None:

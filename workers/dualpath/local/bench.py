@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from dualpath import config
+from dualpath.local.openai_client import stream_completion
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
 
@@ -310,26 +311,10 @@ async def replay(
             t0 = time.perf_counter()
             ttft, final, usage, err = None, None, None, ""
             try:
-                async with client.stream(
-                    "POST", "/v1/completions", json=body, timeout=timeout_s
-                ) as r:
-                    if r.status_code != 200:
-                        err = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                    else:
-                        async for line in r.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            ev = json.loads(line[6:])
-                            if "error" in ev:
-                                err = ev["error"]["message"]
-                                break
-                            if not ev["choices"]:  # the usage chunk, after the finish
-                                usage = ev["usage"]
-                                continue
-                            if ttft is None:
-                                ttft = time.perf_counter() - t0
-                            if ev["choices"][0].get("finish_reason"):
-                                final = ev
+                st = await stream_completion(client, body, timeout_s=timeout_s)
+                ttft, final, usage, err = st.ttft_s, st.final, st.usage, st.error
+                if st.response is not None:
+                    err = f"HTTP {st.status}: {st.response.content[:200]!r}"
             except httpx.HTTPError as e:
                 err = f"{type(e).__name__}: {e}"
             lat = time.perf_counter() - t0

@@ -52,6 +52,7 @@ import httpx
 import yaml
 
 from dualpath import config
+from dualpath.local.openai_client import stream_completion
 
 log = logging.getLogger(__name__)
 
@@ -321,39 +322,22 @@ class Client:
             ref = self.refs.get(i)  # judged when asked for as many tokens as the reference
             res.wrong = ref is not None and max_tokens == GEN_TOKENS and ids != ref[0]
             return
-        async with self.http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                self._status(res, r)
-                return
-            res.status = 200
-            text, finish, done, error = "", "", False, ""
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    break
-                ev = json.loads(data)
-                if "error" in ev:
-                    error = str(ev["error"].get("message", ev["error"]))
-                    continue
-                ch = ev["choices"][0]
-                text += ch.get("text", "")
-                finish = ch.get("finish_reason") or finish
-                if on_chunk is not None:
-                    on_chunk()
-                if cut_after_first:
-                    res.kind = "cancelled"
-                    return  # leaving the block closes the connection
-        if error:
-            res.kind, res.error = "failed", error
-        elif done:
+        st = await stream_completion(
+            self.http, body, on_chunk=on_chunk, cut_after_first=cut_after_first
+        )
+        if st.response is not None:
+            self._status(res, st.response)
+            return
+        res.status = st.status
+        if st.cut:
+            res.kind = "cancelled"
+        elif st.error:
+            res.kind, res.error = "failed", st.error
+        elif st.done:
             res.kind = "ok"
-            res.empty = not finish or (not text and finish == "length")
+            res.empty = not st.finish_reason or (not st.text and st.finish_reason == "length")
             ref = self.refs.get(i)
-            res.wrong = ref is not None and max_tokens == GEN_TOKENS and ref[1] != text
+            res.wrong = ref is not None and max_tokens == GEN_TOKENS and ref[1] != st.text
         else:
             res.kind, res.error = "lost", "stream ended without [DONE] or an error event"
 

@@ -85,18 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(recycled) until the horizon (default 1800 s), warm-up excluded",
     )
     parser.add_argument("--warmup", type=float, help="seconds excluded from steady-state stats")
-    parser.add_argument(
-        "--max-context",
-        type=int,
-        help="context limit in tokens (default: the model's, e.g. 131072; 0 = none)",
-    )
-    parser.add_argument(
-        "--context-rule",
-        choices=CONTEXT_RULES,
-        default="truncate",
-        help="a turn over the limit: truncate (keep the prompt's first limit-gen tokens) or "
-        "refuse it (counted)",
-    )
+    add_context_arguments(parser)
     parser.add_argument(
         "--active-per-prefill",
         type=int,
@@ -120,6 +109,28 @@ def _policy(name: str) -> Any:
     from dualpath.scheduler.policy import get_policy
 
     return get_policy(name)
+
+
+def add_context_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--max-context` and `--context-rule`: what a turn over the model's context does (`dualpath
+    sim` and `dualpath sim plan`); `context_limit_of` reads them."""
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        help="context limit in tokens (default: the model's, e.g. 131072; 0 = none)",
+    )
+    parser.add_argument(
+        "--context-rule",
+        choices=CONTEXT_RULES,
+        default="truncate",
+        help="a turn over the limit: truncate (keep the prompt's first limit-gen tokens) or "
+        "refuse it (counted)",
+    )
+
+
+def context_limit_of(args: argparse.Namespace, model: ModelSpec) -> int:
+    """`--max-context`, or the model's own context limit when it is not given."""
+    return context_limit(model.preset) if args.max_context is None else args.max_context
 
 
 class Refused(ValueError):
@@ -228,9 +239,7 @@ class _Setup:
         self.steady_horizon = args.horizon or STEADY_HORIZON_S
         self.warmup = args.warmup if args.warmup is not None else None
         self.tpot_sla = args.tpot_sla
-        self.max_context = (
-            context_limit(model.preset) if args.max_context is None else args.max_context
-        )
+        self.max_context = context_limit_of(args, model)
         self.context_rule = args.context_rule
         self.active_per_prefill = (
             p.active_per_prefill if args.active_per_prefill is None else args.active_per_prefill

@@ -31,9 +31,9 @@ from typing import Any
 from dualpath import trace
 from dualpath.config import ModelSpec
 from dualpath.scheduler.policy import get_policy
-from dualpath.sim.cli import slo_attainment
-from dualpath.sim.engine import CONTEXT_RULES, SimConfig, SimResult, Simulator, percentile
-from dualpath.sim.model import CostModel, Hardware, context_limit
+from dualpath.sim.cli import add_context_arguments, context_limit_of, slo_attainment
+from dualpath.sim.engine import SimConfig, SimResult, Simulator, percentile
+from dualpath.sim.model import CostModel, Hardware
 
 BASELINE = "prefill-read"
 # Fraction of a decode node's HBM left to KV (the rest: weights, activations): 400 of 8 x 80 GB.
@@ -303,8 +303,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--horizon", type=float, default=900.0, help="simulated s per run")
     parser.add_argument("--warmup", type=float, help="warm-up s excluded (default horizon/4)")
     parser.add_argument("--think-cap", type=float, help="cap the trace's think times (s)")
-    parser.add_argument("--max-context", type=int, help="context limit (default: the model's)")
-    parser.add_argument("--context-rule", choices=CONTEXT_RULES, default="truncate")
+    add_context_arguments(parser)
     parser.add_argument("--seed", type=int, help="shuffle the sessions' order")
     parser.add_argument(
         "--target-tokens-per-s", type=float, help="also find the node count reaching this"
@@ -356,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         "--horizon": args.horizon > 0,
         "--warmup": args.warmup is None or 0 <= args.warmup < args.horizon,
         "--think-cap": args.think_cap is None or args.think_cap >= 0,
+        "--max-context": args.max_context is None or args.max_context >= 0,
         "--max-nodes": args.max_nodes >= 2,
         "--refine": 0 <= args.refine <= 8,
     }
@@ -391,9 +391,7 @@ def run(args: argparse.Namespace) -> int:
         Slo(args.ttft_slo, args.tpot_slo),
         horizon_s=args.horizon,
         warmup_s=args.warmup if args.warmup is not None else args.horizon / 4,
-        max_context_tokens=context_limit(model.preset)
-        if args.max_context is None
-        else args.max_context,
+        max_context_tokens=context_limit_of(args, model),
         context_rule=args.context_rule,
         ladder=tuple(sorted(ladder)),
         refine=args.refine,

@@ -11,6 +11,9 @@ Two processes (this one sends, a `PeerProcess` receives), NIXL with UCX between 
 * isolation: real WRITEs through an emulated compute link of `--link-gbps` shared by the
   two traffic classes by weight (99:1): model-class throughput alone, then beside a saturating
   kv stream; `isolation` = shared / solo (bar: >= 0.95).
+
+`--link-only`: the same isolation through the link alone (`measure_isolation`: no NIXL, no
+bytes move), where NIXL is not installed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 import time
+from collections.abc import Mapping
+
+from dualpath.transfer.link import DEFAULT_WEIGHTS, TRAFFIC_CLASSES, ComputeLink, LinkClosed
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=8.0, help="isolation: link rate")
     parser.add_argument("--seconds", type=float, default=1.5, help="isolation: per phase")
     parser.add_argument("--weights", default="99:1", help="isolation: model:kv weights")
+    parser.add_argument(
+        "--link-only",
+        action="store_true",
+        help="only the isolation, through the link alone (no NIXL, no bytes move)",
+    )
 
 
 async def _raw(engine, peer_name: str, src: int, dst: int, layer: int, layers: int) -> float:  # noqa: ANN001
@@ -81,8 +93,6 @@ async def _stream(engine, peer, peer_name: str, src: int, layer: int, layers: in
 
 
 async def _isolation(engine, peer, peer_name: str, src: int, args) -> dict:  # noqa: ANN001
-    from dualpath.transfer.link import ComputeLink
-
     high, low = (int(x) for x in args.weights.split(":"))
     chunk = 1 << 20
 
@@ -124,6 +134,109 @@ async def _isolation(engine, peer, peer_name: str, src: int, args) -> dict:  # n
         "kv_shared_gbps": round(shared["kv"], 3),
         "kv_solo_gbps": round(kv_solo["kv"], 3),
         "isolation": round(shared["model"] / solo["model"], 4) if solo["model"] else 0.0,
+    }
+
+
+def measure_isolation(
+    link_gbps: float,
+    seconds: float = 1.0,
+    *,
+    weights: Mapping[str, int] | None = None,
+    chunk_bytes: int = 1 << 20,
+    streams: int = 4,
+    mode: str = "threads",
+    repeats: int = 1,
+) -> dict[str, float | str]:
+    """Model-class throughput through a `ComputeLink` alone, then beside a saturating kv stream.
+
+    Link only (no bytes move). Each class runs `streams` closed-loop streams acquiring
+    `chunk_bytes` each, as threads (`mode="threads"`) or as tasks on one asyncio loop
+    (`mode="asyncio"`; call it where no loop runs). Three phases (model alone, both, kv alone)
+    of `seconds` each, the first 10% of each a warm-up, run `repeats` times interleaved; each
+    rate is the best of its runs (CPU contention only ever slows a stream). Returns Gbps and
+    `isolation` = model_shared / model_solo (high / (high + low) = 0.99 when kv takes its whole
+    share).
+    """
+    if mode not in ("threads", "asyncio"):
+        raise ValueError(f"mode must be 'threads' or 'asyncio', got {mode!r}")
+
+    def rates(s0: dict, s1: dict, dt: float) -> dict[str, float]:
+        return {
+            tc: (s1[tc]["served_bytes"] - s0[tc]["served_bytes"]) * 8 / 1e9 / dt
+            for tc in TRAFFIC_CLASSES
+        }
+
+    def phase_threads(classes: tuple[str, ...]) -> dict[str, float]:
+        link = ComputeLink(link_gbps, weights, name="isolation-bench")
+
+        def stream(tc: str) -> None:
+            try:
+                while True:
+                    link.acquire_sync(tc, chunk_bytes)
+            except LinkClosed:
+                pass
+
+        threads = [
+            threading.Thread(target=stream, args=(tc,), daemon=True, name=f"link-{tc}-{i}")
+            for tc in classes
+            for i in range(streams)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(seconds * 0.1)
+        t0, s0 = time.monotonic(), link.stats()
+        time.sleep(seconds * 0.9)
+        t1, s1 = time.monotonic(), link.stats()
+        link.close()
+        for t in threads:
+            t.join(timeout=5)
+        return rates(s0, s1, t1 - t0)
+
+    async def phase_asyncio(classes: tuple[str, ...]) -> dict[str, float]:
+        link = ComputeLink(link_gbps, weights, name="isolation-bench")
+
+        async def stream(tc: str) -> None:
+            try:
+                while True:
+                    await link.acquire(tc, chunk_bytes)
+            except LinkClosed:
+                pass
+
+        tasks = [asyncio.create_task(stream(tc)) for tc in classes for _ in range(streams)]
+        await asyncio.sleep(seconds * 0.1)
+        t0, s0 = time.monotonic(), link.stats()
+        await asyncio.sleep(seconds * 0.9)
+        t1, s1 = time.monotonic(), link.stats()
+        link.close()
+        await asyncio.gather(*tasks)
+        return rates(s0, s1, t1 - t0)
+
+    def phase(classes: tuple[str, ...]) -> dict[str, float]:
+        if mode == "asyncio":
+            return asyncio.run(phase_asyncio(classes))
+        return phase_threads(classes)
+
+    runs: list[tuple[dict[str, float], ...]] = []
+    for _ in range(max(1, repeats)):
+        runs.append((phase(("model",)), phase(("model", "kv")), phase(("kv",))))
+    solo = max((r[0] for r in runs), key=lambda x: x["model"])
+    shared = max((r[1] for r in runs), key=lambda x: x["model"])
+    kv_solo = max((r[2] for r in runs), key=lambda x: x["kv"])
+    w = {**DEFAULT_WEIGHTS, **(weights or {})}
+    return {
+        "link_gbps": link_gbps,
+        "model_weight": w["model"],
+        "kv_weight": w["kv"],
+        "chunk_bytes": chunk_bytes,
+        "streams_per_class": streams,
+        "mode": mode,
+        "repeats": max(1, repeats),
+        "model_solo_gbps": solo["model"],
+        "model_shared_gbps": shared["model"],
+        "isolation": shared["model"] / solo["model"] if solo["model"] else 0.0,
+        "kv_shared_gbps": shared["kv"],
+        "kv_solo_gbps": kv_solo["kv"],
+        "link_utilization_shared": (shared["model"] + shared["kv"]) / link_gbps,
     }
 
 
@@ -184,6 +297,13 @@ async def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.link_only:
+        high, low = (int(x) for x in args.weights.split(":"))
+        iso = measure_isolation(
+            args.link_gbps, args.seconds, weights={"model": high, "kv": low}, repeats=args.reps
+        )
+        print(json.dumps({"bench": "transfer-link", **iso}, indent=None if args.json else 2))
+        return 0
     result = asyncio.run(measure(args))
     print(json.dumps(result, indent=None if args.json else 2))
     ok = result["stream_ratio"] >= 0.8 and result["isolation"]["isolation"] >= 0.95
