@@ -16,7 +16,7 @@ import torch
 
 from dualpath.config import ModelSpec
 from dualpath.kv.format import BlockLayout
-from dualpath.kv.store import TORCH_DTYPES, LayerKV, request_layer_views
+from dualpath.kv.buffers import TORCH_DTYPES, LayerKV, request_layer_views
 
 
 @dataclass(frozen=True)
