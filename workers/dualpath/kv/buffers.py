@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from dualpath.kv.format import BlockLayout
-from dualpath.kv.ids import BlockId
+from dualpath.kv.ids import BlockId, is_block_id
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -94,6 +94,43 @@ def split_blocks(kv_layers: Sequence[LayerKV], block_tokens: int) -> list[list[L
         s = slice(i * block_tokens, (i + 1) * block_tokens)
         out.append([(k[s], v[s]) for k, v in kv_layers])
     return out
+
+
+def covered_blocks(
+    blocks: int, kv_layers: Sequence[LayerKV], kv_start_token: int, block_tokens: int
+) -> tuple[int, list[tuple[int, list[LayerKV]]]]:
+    """Which of a context's first `blocks` full blocks `kv_layers` covers, when it holds the
+    KV of the context's tokens from `kv_start_token` on: (end, [(block index, per layer
+    (K, V) of its tokens)]). `end` is one past the last block that is covered or lies before
+    `kv_start_token` (the chain a store then holds); blocks before it are not listed."""
+    end = 0
+    out = []
+    for i in range(blocks):
+        start = i * block_tokens - kv_start_token
+        if start < 0:
+            end = i + 1
+            continue
+        if start + block_tokens > kv_layers[0][0].shape[0]:
+            break
+        s = slice(start, start + block_tokens)
+        out.append((i, [(k[s], v[s]) for k, v in kv_layers]))
+        end = i + 1
+    return end, out
+
+
+def check_block(lo: BlockLayout, block_id: BlockId, layers: Sequence[LayerKV]) -> None:
+    """Refuse a block whose id or K, V do not fit the layout, naming what is off."""
+    if not is_block_id(block_id):
+        raise ValueError(f"block id {block_id!r} is not 32 hex digits (use block_ids())")
+    if len(layers) != lo.layers:
+        raise ValueError(f"block needs {lo.layers} layers of (K, V), got {len(layers)}")
+    dtype = TORCH_DTYPES[lo.dtype]
+    for i, (k, v) in enumerate(layers):
+        for name, t, shape in (("K", k, lo.k_shape), ("V", v, lo.v_shape)):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"layer {i} {name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
+                )
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

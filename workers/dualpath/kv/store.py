@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _OPEN_FILES = 1024
 
+
 class KVStore:
     """Thread-safe block store of one model in one directory."""
 

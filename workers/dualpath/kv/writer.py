@@ -17,10 +17,10 @@ from pathlib import Path
 
 from dualpath.config import ModelSpec
 from dualpath.kv import errors, metrics
-from dualpath.kv.buffers import TORCH_DTYPES, LayerKV, as_bytes
+from dualpath.kv.buffers import LayerKV, as_bytes, check_block, covered_blocks
 from dualpath.kv.events import chain_events
 from dualpath.kv.format import BlockLayout, encode_header, layer_checksum
-from dualpath.kv.ids import BlockId, block_ids, is_block_id
+from dualpath.kv.ids import BlockId, block_ids
 from dualpath.kv.index import BlockIndex
 
 
@@ -50,7 +50,7 @@ class BlockWriter:
         return written
 
     def _put(self, block_id: BlockId, layers: Sequence[LayerKV]) -> bool:
-        self._check_block(block_id, layers)
+        check_block(self.layout, block_id, layers)
         index = self.index
         if index.present(block_id):
             if os.path.exists(index.file(block_id)):
@@ -133,21 +133,9 @@ class BlockWriter:
         `tokens[kv_start_token:]` (e.g. a turn's new tokens). Blocks not fully covered are
         skipped; blocks already present are not rewritten.
         """
-        bt = self.layout.block_tokens
         ids = block_ids(tokens, self.model, salt=salt)
-        written = []
-        end = 0
-        for i, bid in enumerate(ids):
-            start = i * bt - kv_start_token
-            if start < 0:
-                end = i + 1
-                continue
-            if start + bt > kv_layers[0][0].shape[0]:
-                break
-            blk = [(k[start : start + bt], v[start : start + bt]) for k, v in kv_layers]
-            if self._put(bid, blk):
-                written.append(bid)
-            end = i + 1
+        end, blocks = covered_blocks(len(ids), kv_layers, kv_start_token, self.layout.block_tokens)
+        written = [ids[i] for i, blk in blocks if self._put(ids[i], blk)]
         self.index.promote_chain(ids[:end])
         events = self.index.events
         if events is not None and end:
@@ -155,21 +143,6 @@ class BlockWriter:
             # process still holds (it links keys a scan found, and heals lost events)
             events.stored(chain_events(ids, end, self.index.held_from(ids, end)))
         return written
-
-    def _check_block(self, block_id: BlockId, layers: Sequence[LayerKV]) -> None:
-        lo = self.layout
-        if not is_block_id(block_id):
-            raise ValueError(f"block id {block_id!r} is not 32 hex digits (use block_ids())")
-        if len(layers) != lo.layers:
-            raise ValueError(f"block needs {lo.layers} layers of (K, V), got {len(layers)}")
-        dtype = TORCH_DTYPES[lo.dtype]
-        for i, (k, v) in enumerate(layers):
-            for name, t, shape in (("K", k, lo.k_shape), ("V", v, lo.v_shape)):
-                if tuple(t.shape) != shape or t.dtype != dtype:
-                    raise ValueError(
-                        f"layer {i} {name}: expected {shape} {dtype}, got "
-                        f"{tuple(t.shape)} {t.dtype}"
-                    )
 
 
 def _write_all(fd: int, view: memoryview) -> None:
