@@ -133,6 +133,25 @@ def check_block(lo: BlockLayout, block_id: BlockId, layers: Sequence[LayerKV]) -
                 )
 
 
+def check_layers_read(
+    lo: BlockLayout,
+    valid_blocks: int,
+    l0: int,
+    l1: int,
+    a: int,
+    b: int,
+    dests: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Refuse a read of layers [l0, l1) of blocks [a, b) of a run that cannot be done."""
+    lo.layer_offset(l0)
+    if not l0 < l1 <= lo.layers or len(dests) != l1 - l0:
+        raise ValueError(f"layers [{l0}, {l1}) with {len(dests)} destinations")
+    if not 0 <= a <= b <= valid_blocks:
+        raise ValueError(f"blocks [{a}, {b}) outside the run's {valid_blocks}")
+    if any(k.numel() < (b - a) * lo.k_bytes or v.numel() < (b - a) * lo.v_bytes for k, v in dests):
+        raise ValueError(f"a K/V destination is too small for {b - a} blocks")
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 

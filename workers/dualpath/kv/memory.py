@@ -31,7 +31,14 @@ import torch
 
 from dualpath.config import ModelSpec
 from dualpath.kv import errors
-from dualpath.kv.buffers import BlockFailure, LayerKV, as_bytes, check_block, covered_blocks
+from dualpath.kv.buffers import (
+    BlockFailure,
+    LayerKV,
+    as_bytes,
+    check_block,
+    check_layers_read,
+    covered_blocks,
+)
 from dualpath.kv.format import BlockLayout, layer_checksum
 from dualpath.kv.ids import BlockId, block_ids, block_key
 
@@ -140,10 +147,7 @@ class MemoryStore:
         dests: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[int, list[BlockFailure]]:
         lo = self.layout
-        if not 0 <= l0 < l1 <= lo.layers or len(dests) != l1 - l0:
-            raise ValueError(f"layers [{l0}, {l1}) with {len(dests)} destinations")
-        if not 0 <= a <= b <= run.valid_blocks:
-            raise ValueError(f"blocks [{a}, {b}) outside the run's {run.valid_blocks}")
+        check_layers_read(lo, run.valid_blocks, l0, l1, a, b, dests)
         kb, vb = lo.k_bytes, lo.v_bytes
         for i, (block_id, block) in enumerate(zip(run.ids[a:b], run.blocks[a:b], strict=True)):
             ev = self._holds.get(block_id)

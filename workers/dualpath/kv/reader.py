@@ -30,6 +30,7 @@ from dualpath.kv.buffers import (
     BlockRead,
     LayerKV,
     LayerRead,
+    check_layers_read,
     dest_bytes,
     request_buffer_bytes,
     request_layer_bytes,
@@ -259,15 +260,7 @@ class BlockReader:
         dests[j] = flat uint8 (K, V) destinations of layer l0+j, blocks back to back.
         (valid blocks, failures); a block is valid when all its layers here are."""
         lo = self.layout
-        lo.layer_offset(l0)
-        if not l0 < l1 <= lo.layers or len(dests) != l1 - l0:
-            raise ValueError(f"layers [{l0}, {l1}) with {len(dests)} destinations")
-        if not 0 <= a <= b <= run.valid_blocks:
-            raise ValueError(f"blocks [{a}, {b}) outside the run's {run.valid_blocks}")
-        if any(
-            k.numel() < (b - a) * lo.k_bytes or v.numel() < (b - a) * lo.v_bytes for k, v in dests
-        ):
-            raise ValueError(f"a K/V destination is too small for {b - a} blocks")
+        check_layers_read(lo, run.valid_blocks, l0, l1, a, b, dests)
         failed: list[BlockFailure] = []
         entries, ids = run.entries[a:b], run.ids[a:b]
         if self.backend.reads_runs:
