@@ -4,7 +4,7 @@ import pytest
 import torch
 from dualpath.config import ModelSpec
 from dualpath.kv import KVStore, block_ids
-from dualpath.kv.store import random_layers
+from dualpath.kv.buffers import random_layers
 
 
 @pytest.fixture

@@ -2,9 +2,9 @@
 
 import torch
 from dualpath.kv import KVStore, block_ids
+from dualpath.kv.buffers import TORCH_DTYPES, random_layers
 from dualpath.kv.events import KvEventBuffer
 from dualpath.kv.ids import block_key, block_keys
-from dualpath.kv.store import TORCH_DTYPES, random_layers
 from dualpath.scheduler.index import ROOT, UNLINKED
 
 

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 from dualpath.kv import KVLoadError, KVStore, ReadQueue
-from dualpath.kv import store as store_mod
+from dualpath.kv import writer as writer_mod
 from dualpath.kv.backend import PreadvBackend
+from dualpath.kv.buffers import BlockFailure
 from dualpath.kv.errors import ShortReadError
 from dualpath.kv.format import BlockLayout
 from prometheus_client import REGISTRY
@@ -161,7 +162,7 @@ async def test_a_real_short_read_ends_the_hit(tmp_path, tiny, kvh):
         with pytest.raises(KVLoadError) as e:
             await asyncio.wait_for(h.layer(0), HANG_S)
         assert e.value.valid_blocks == 2
-        assert e.value.failed[0] == store_mod.BlockFailure(ids[2], "short_read")
+        assert e.value.failed[0] == BlockFailure(ids[2], "short_read")
         h.close()
     assert misses("short_read") == before + 1
     store.close()
@@ -326,7 +327,7 @@ def test_a_bad_block_on_a_read_only_store_is_a_miss_not_an_error(tmp_path, tiny,
 def test_full_disk_evicts_lru_blocks_and_retries_once(tmp_path, tiny, kvh, monkeypatch):
     store, ids, _ = _store(tmp_path, tiny, kvh, PreadvBackend())
     store.lookup(ids[:1])  # block 0 used last: block 1 is now the least recently used
-    real = store_mod._write_all
+    real = writer_mod._write_all
     full = {"left": 1}
 
     def enospc_once(fd, view):
@@ -335,7 +336,7 @@ def test_full_disk_evicts_lru_blocks_and_retries_once(tmp_path, tiny, kvh, monke
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, view)
 
-    monkeypatch.setattr(store_mod, "_write_all", enospc_once)
+    monkeypatch.setattr(writer_mod, "_write_all", enospc_once)
     evicted = evictions()
     failures = write_failures("block", "no_space")
     new_ids, _ = kvh.fill(store, 1, seed=9)
@@ -379,13 +380,13 @@ def test_capacity_is_made_before_the_write(make_store, tiny, kvh):
     store = make_store(capacity_bytes=3 * file_bytes)
     ids, _ = kvh.fill(store, 3)
     seen = []
-    real = store._write_file
+    real = store.writer._write_file
 
     def spy(block_id, header, bufs):
         seen.append(store.used_bytes)  # what the store holds while the new block is written
         real(block_id, header, bufs)
 
-    store._write_file = spy
+    store.writer._write_file = spy
     kvh.fill(store, 1, seed=12)
     assert seen == [2 * file_bytes] and store.used_bytes == 3 * file_bytes
     assert ids[0] not in store.lru_order()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from dualpath.config import ModelSpec
 from dualpath.kv import block_ids, split_blocks
-from dualpath.kv.store import random_layers
+from dualpath.kv.buffers import random_layers
 from prometheus_client import REGISTRY
 
 
@@ -125,7 +125,7 @@ _WRITER = """
 import sys, torch
 from dualpath.config import ModelSpec
 from dualpath.kv import KVStore, block_ids
-from dualpath.kv import store as st
+from dualpath.kv import buffers, writer as st
 m = ModelSpec(preset="llama3-8b")
 s = KVStore(sys.argv[1], m, 1 << 34, backend="preadv")
 real = st._write_all
@@ -138,7 +138,7 @@ def slow(fd, view):  # write part of the block, announce, then hang so the kill 
         import time; time.sleep(30)
 st._write_all = slow
 bid = block_ids(list(range(64)), m)[0]
-s.put(bid, st.random_layers(s.layout))
+s.put(bid, buffers.random_layers(s.layout))
 """
 
 
@@ -345,7 +345,7 @@ def test_open_files_cache_is_bounded(make_store, tmp_path, kvh):
 
 def test_read_failure_keeps_the_verified_prefix(tmp_path, tiny, kvh, monkeypatch):
     from dualpath.kv import KVStore
-    from dualpath.kv import store as store_mod
+    from dualpath.kv import reader as reader_mod
     from dualpath.kv.backend import PreadvBackend
 
     class FailThird(PreadvBackend):  # the third block read fails (both read paths)
@@ -366,7 +366,7 @@ def test_read_failure_keeps_the_verified_prefix(tmp_path, tiny, kvh, monkeypatch
 
     store = KVStore(tmp_path / "kv", tiny, 1 << 30, backend=FailThird())
     ids, blocks = kvh.fill(store, 4)
-    monkeypatch.setattr(store_mod, "_VERIFY_STEP_BYTES", 1)  # read + verify one block at a time
+    monkeypatch.setattr(reader_mod, "_VERIFY_STEP_BYTES", 1)  # read + verify one block at a time
     before = misses("io_error")
     r = store.read_layer(ids, 1)
     assert r.valid_blocks == 2 and r.failed[0].block_id == ids[2]

@@ -7,9 +7,9 @@ import time
 
 import torch
 from dualpath.kv import KVStore, block_ids
+from dualpath.kv.buffers import TORCH_DTYPES
 from dualpath.kv.events import KvEventBuffer
 from dualpath.kv.ids import block_keys
-from dualpath.kv.store import TORCH_DTYPES
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.scheduler.index import pack_keys

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dualpath.config import ModelSpec
-from dualpath.kv.store import request_buffer_bytes
+from dualpath.kv.buffers import request_buffer_bytes
 from dualpath.worker.layout import RequestLayout
 
 SPEC = ModelSpec(preset="tiny", block_tokens=8)

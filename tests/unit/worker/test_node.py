@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from dualpath.config import ClusterConfig, Role
 from dualpath.worker.node import NodeOptions, WorkerNode
+from dualpath.worker.regions import release_regions
 
 
 @pytest.mark.parametrize(
@@ -43,17 +43,25 @@ class _Reading:
 async def test_a_buffer_waits_for_a_storage_read_still_writing_into_it():
     # a stuck read's pool thread writes into the request's buffer whenever it returns: the
     # regions must not go back to the pool (and to the next request) before it has
-    node = WorkerNode(ClusterConfig(), NodeOptions(Role.DECODE, "decode-0"))
-    node.transfer = SimpleNamespace(pool=_Pool())
+    pool = _Pool()
     reading = _Reading()
-    node.release(["r0", "r1"], 0.0, reading)
+    release_regions(pool, ["r0", "r1"], 0.0, reading)
     await asyncio.sleep(0.2)
-    assert node.transfer.pool.freed == []
+    assert pool.freed == []
     reading.busy = False
     for _ in range(40):
-        if node.transfer.pool.freed:
+        if pool.freed:
             break
         await asyncio.sleep(0.05)
-    assert node.transfer.pool.freed == ["r0", "r1"]
-    node.release(["r2"], 0.0, reading)  # a read that is done frees at once
-    assert node.transfer.pool.freed == ["r0", "r1", "r2"]
+    assert pool.freed == ["r0", "r1"]
+    release_regions(pool, ["r2"], 0.0, reading)  # a read that is done frees at once
+    assert pool.freed == ["r0", "r1", "r2"]
+
+
+async def test_a_node_that_never_started_stops_cleanly():
+    # every part exists from __init__ (None until start): stop() needs no getattr
+    node = WorkerNode(ClusterConfig(), NodeOptions(Role.DECODE, "decode-0"))
+    assert (node.engine, node.store, node.read_queue, node.transfer) == (None,) * 4
+    assert node.live() == (False, "starting: loading the model")
+    await node.stop()
+    assert node.stopping and node.live() == (False, "stopped")

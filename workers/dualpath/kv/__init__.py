@@ -23,13 +23,13 @@ _EXPORTS = {
     "LayerReadHandle": "dualpath.kv.queue",
     "ReadQueue": "dualpath.kv.queue",
     "TokenBucket": "dualpath.kv.queue",
-    "BlockFailure": "dualpath.kv.store",
-    "BlockRead": "dualpath.kv.store",
+    "BlockFailure": "dualpath.kv.buffers",
+    "BlockRead": "dualpath.kv.buffers",
     "KVStore": "dualpath.kv.store",
-    "LayerRead": "dualpath.kv.store",
-    "request_buffer_bytes": "dualpath.kv.store",
-    "request_layer_views": "dualpath.kv.store",
-    "split_blocks": "dualpath.kv.store",
+    "LayerRead": "dualpath.kv.buffers",
+    "request_buffer_bytes": "dualpath.kv.buffers",
+    "request_layer_views": "dualpath.kv.buffers",
+    "split_blocks": "dualpath.kv.buffers",
 }
 __all__ = sorted(_EXPORTS)
 

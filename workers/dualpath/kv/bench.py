@@ -28,9 +28,10 @@ import torch
 
 from dualpath.config import ModelSpec, StorageSpec
 from dualpath.kv.backend import BACKENDS
+from dualpath.kv.buffers import random_layers
 from dualpath.kv.ids import block_ids
 from dualpath.kv.queue import ReadQueue
-from dualpath.kv.store import KVStore, random_layers
+from dualpath.kv.store import KVStore
 from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)

@@ -32,17 +32,16 @@ import torch
 
 from dualpath.config import StorageSpec
 from dualpath.kv import metrics
-from dualpath.kv.ids import BlockId
-from dualpath.kv.store import (
+from dualpath.kv.buffers import (
     BlockFailure,
     BlockRead,
-    KVStore,
     LayerKV,
-    OpenRun,
     request_buffer_bytes,
     request_layer_bytes,
     request_layer_views,
 )
+from dualpath.kv.ids import BlockId
+from dualpath.kv.protocol import BlockRun, BlockStore
 from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ class LayerReadHandle:
         self._remaining: list[int] = [0] * self.layout.layers
         self._error: KVLoadError | None = None
         self._jobs: list[cf.Future] = []
-        self._run: OpenRun | None = None  # the validated blocks, open until the last chunk
+        self._run: BlockRun | None = None  # the validated blocks, open until the last chunk
         self._in_flight: dict[object, float] = {}  # job -> when its read began (stall check)
         self._run_jobs = 0
 
@@ -357,7 +356,7 @@ class ReadQueue:
 
     def __init__(
         self,
-        store: KVStore,
+        store: BlockStore,
         concurrency: int = 8,
         snic_gbps: float = 0.0,
         name: str = "node",

@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
-from dataclasses import dataclass
 
 from dualpath.log import quiet_nixl_logs
-from dualpath.transfer import metrics
+from dualpath.transfer.base import TransferBase, TransferStats
 from dualpath.transfer.pool import BufferPool
+from dualpath.transfer.protocol import TransferError
+
+__all__ = ["NixlUnavailable", "TransferEngine", "TransferError", "TransferStats"]
 
 log = logging.getLogger(__name__)
 
@@ -40,41 +41,15 @@ _POLL_IDLE_S = 0.005
 _SPIN_S = 0.003  # poll a WRITE back to back this long (a few MiB at a few GB/s)
 
 
-class TransferError(RuntimeError):
-    """A KV transfer failed or missed its deadline; the message names the peer and bytes."""
-
-
 class NixlUnavailable(TransferError):
     pass
-
-
-@dataclass
-class TransferStats:
-    bytes_written: int = 0
-    writes: int = 0
-    failed: int = 0
-    inflight: int = 0
-    leaked_handles: int = 0
-
-
-class _Active:
-    def __init__(self, engine: TransferEngine) -> None:
-        self.engine = engine
-
-    def __enter__(self) -> None:
-        self.engine._active += 1
-        self.engine._ensure_poller()
-        self.engine._wake.set()
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine._active -= 1
 
 
 def _name(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
-class TransferEngine:
+class TransferEngine(TransferBase):
     """A worker's NIXL agent with its registered KV buffer; use from one asyncio loop."""
 
     def __init__(
@@ -85,105 +60,54 @@ class TransferEngine:
         deadline_s: float = 30.0,
         max_inflight: int = 16,
     ) -> None:
+        self._reg = None  # close() may run on an engine whose start failed half-way
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as err:
             raise NixlUnavailable(f"nixl_cu12 not importable: {err}") from err
         quiet_nixl_logs()
-        self.node_id = node_id
-        self.name = f"{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.link = link
-        self.deadline_s = deadline_s
+        name = f"{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         try:
             self.agent = nixl_agent(
-                self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+                name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
             )
         except Exception as err:  # the bindings raise plain exceptions
             raise NixlUnavailable(f"NIXL agent with UCX failed to start: {err}") from err
         if "UCX" not in self.agent.backends:
             raise NixlUnavailable("NIXL has no UCX backend plugin")
-        self.pool = BufferPool(pool_bytes)
+        super().__init__(node_id, name, BufferPool(pool_bytes), link, deadline_s, max_inflight)
         self._reg = self.agent.register_memory(
             [(self.pool.address, self.pool.nbytes, 0, "")], "DRAM"
         )
         self.metadata: bytes = self.agent.get_agent_metadata()
-        self.stats = TransferStats()
-        self._peers: dict[str, bytes] = {}  # agent name -> metadata loaded
-        self._waiters: dict[tuple[str, bytes], asyncio.Future] = {}
-        self._arrived: dict[tuple[str, bytes], float] = {}
         self._leaked: list = []
-        self._slots = asyncio.Semaphore(max_inflight)
         self._poller: asyncio.Task | None = None
         self._wake = asyncio.Event()
-        self._closed = False
-        self._active = 0
-        metrics.BUFFER_BYTES.labels(state="total").set(self.pool.nbytes)
         log.info(
             "transfer engine %s: NIXL UCX, %d MiB registered KV buffer, compute link %s",
             self.name,
             self.pool.nbytes >> 20,
-            link.describe() if link is not None and hasattr(link, "describe") else "uncapped",
+            link.describe() if link is not None else "uncapped",
         )
 
     # ---- peers ------------------------------------------------------------------------------
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's agent metadata (idempotent); returns the peer's agent name."""
-        name = _name(self.agent.add_remote_agent(metadata))
-        if name not in self._peers:
-            log.info("connected to KV peer %s", name)
-        self._peers[name] = metadata
-        return name
+    def _connect(self, metadata: bytes) -> str:
+        return _name(self.agent.add_remote_agent(metadata))
 
-    def knows(self, peer: str) -> bool:
-        return peer in self._peers
-
-    def remove_peer(self, peer: str) -> None:
-        if self._peers.pop(peer, None) is not None:
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception as err:  # already gone on the NIXL side
-                log.debug("remove_remote_agent(%s): %s", peer, err)
-            log.info("dropped KV peer %s", peer)
+    def _disconnect(self, peer: str) -> None:
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception as err:  # already gone on the NIXL side
+            log.debug("remove_remote_agent(%s): %s", peer, err)
 
     # ---- writes ------------------------------------------------------------------------------
-
-    async def write(
-        self,
-        peer: str,
-        src_address: int,
-        nbytes: int,
-        dst_address: int,
-        notif: bytes = b"",
-        traffic_class: str = "kv",
-        deadline_s: float | None = None,
-    ) -> None:
-        """One-sided WRITE of `nbytes` from our buffer to the peer's; `notif` is delivered to
-        the peer after the data. Raises TransferError on failure or after the deadline."""
-        if self._closed:
-            raise TransferError("transfer engine is closed")
-        if peer not in self._peers:
-            raise TransferError(f"unknown KV peer {peer!r}: exchange metadata first")
-        if not (
-            self.pool.address <= src_address
-            and src_address + nbytes <= self.pool.address + self.pool.nbytes
-        ):
-            raise ValueError("WRITE source must lie inside the registered KV buffer")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (deadline_s or self.deadline_s)
-        if self.link is not None:
-            await self.link.acquire(traffic_class, nbytes)
-        async with self._slots:
-            await self._write(peer, src_address, nbytes, dst_address, notif, deadline)
-        metrics.BYTES.labels(traffic_class=traffic_class).inc(nbytes)
 
     async def _write(
         self, peer: str, src: int, nbytes: int, dst: int, notif: bytes, deadline: float
     ) -> None:
         loop = asyncio.get_running_loop()
         agent = self.agent
-        t0 = time.perf_counter()
-        self.stats.inflight += 1
         handle = None
         try:
             try:
@@ -215,19 +139,8 @@ class TransferEngine:
             if state != "DONE":
                 raise self._fail(peer, f"WRITE of {nbytes} bytes to {peer} failed (state {state})")
         finally:
-            self.stats.inflight -= 1
             if handle is not None:
                 self._release(handle)
-        self.stats.bytes_written += nbytes
-        self.stats.writes += 1
-        metrics.WRITE_SECONDS.observe(time.perf_counter() - t0)
-
-    def _fail(self, peer: str, message: str) -> TransferError:
-        self.stats.failed += 1
-        metrics.FAILURES.inc()
-        log.warning("%s", message)
-        self.remove_peer(peer)  # the next request reconnects from fresh metadata
-        return TransferError(message)
 
     def _release(self, handle) -> None:  # noqa: ANN001
         try:
@@ -249,38 +162,9 @@ class TransferEngine:
 
     # ---- notifications -----------------------------------------------------------------------
 
-    async def wait_notif(self, peer: str, msg: bytes, deadline_s: float | None = None) -> None:
-        """Wait for notification `msg` from `peer` (it may already have arrived)."""
-        key = (peer, msg)
-        if self._arrived.pop(key, None) is not None:
-            return
-        if self._closed:
-            raise TransferError("transfer engine is closed")
+    def _poke(self) -> None:
         self._ensure_poller()
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[key] = fut
         self._wake.set()
-        timeout = deadline_s or self.deadline_s
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise TransferError(
-                f"notification {msg!r} from {peer} did not arrive within {timeout:.1f}s "
-                "(peer dead or unreachable)"
-            ) from None
-        finally:
-            if self._waiters.get(key) is fut:
-                del self._waiters[key]
-
-    def active(self) -> _Active:
-        """`with engine.active():` around a request keeps UCX progressing quickly while peers
-        may write to us (without a progress thread, the target side must poll too)."""
-        return _Active(self)
-
-    def discard_notifs(self, prefix: bytes) -> None:
-        """Forget notifications of a finished or failed request that nobody will wait for."""
-        for key in [k for k in self._arrived if k[1].startswith(prefix)]:
-            del self._arrived[key]
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
@@ -300,16 +184,10 @@ class TransferEngine:
             except Exception as err:
                 log.warning("NIXL notification poll failed: %s", err)
                 notifs = {}
-            now = time.monotonic()
             for peer, msgs in notifs.items():
                 peer = _name(peer)
                 for m in msgs:
-                    key = (peer, bytes(m))
-                    fut = self._waiters.pop(key, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
-                    else:
-                        self._arrived[key] = now
+                    self._deliver(peer, bytes(m))
             if self._leaked:
                 self._retry_releases()
             if self._waiters or self.stats.inflight or self._active:
@@ -333,16 +211,13 @@ class TransferEngine:
                 await self._poller
             except (asyncio.CancelledError, Exception):
                 pass
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(TransferError("transfer engine closed"))
-        self._waiters.clear()
+        self._fail_waiters()
         self.close()
 
     def close(self) -> None:
         """Release handles, drop peers, deregister the buffer (idempotent)."""
         self._closed = True
-        if getattr(self, "_reg", None) is None:
+        if self._reg is None:
             return
         self._retry_releases()
         for peer in list(self._peers):

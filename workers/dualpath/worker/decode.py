@@ -22,21 +22,26 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import torch
 
-from dualpath.engine import CacheFullError, SamplingParams
+from dualpath.config import ModelSpec
+from dualpath.engine import CacheFullError, Engine, SamplingParams
 from dualpath.kv import KVLoadError, block_ids
 from dualpath.kv.ids import MAX_SALT_BYTES
-from dualpath.transfer.engine import TransferError
+from dualpath.kv.protocol import BlockStore
+from dualpath.kv.queue import ReadQueue
+from dualpath.transfer.protocol import KVTransfer, TransferError
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
+from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
 from dualpath.worker.kvstream import hit_notif, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
 from dualpath.worker.prefill import PATH_NAMES, VALID_HIT_KEY, HitUnavailable
+from dualpath.worker.regions import release_regions
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +76,34 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 class DecodeRole:
-    def __init__(self, node) -> None:  # noqa: ANN001 (WorkerNode)
-        self.node = node
+    """A decode node's work: given its model, compute engine, store, KV transfer, storage read
+    queue, a stub to reach prefill workers and a way to flush the store's KV events (nothing
+    else of the node), it serves `Worker.Generate` calls."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        model: ModelSpec,
+        engine: Engine,
+        store: BlockStore,
+        transfer: KVTransfer,
+        read_queue: ReadQueue,
+        deadline_s: float,
+        request_timeout_s: float,
+        worker_stub: Callable[[str], wpb_grpc.WorkerStub],
+        flush_kv_events: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.node_id = node_id
+        self.model = model
+        self.engine = engine
+        self.store = store
+        self.transfer = transfer
+        self.read_queue = read_queue
+        self.deadline_s = deadline_s  # one transfer, one notification wait, one buffer wait
+        self.request_timeout_s = request_timeout_s  # one Prefill call
+        self.worker_stub = worker_stub  # prefill worker address -> its Worker stub
+        self.flush_kv_events = flush_kv_events  # until the scheduler's index has them
         self.tokens_queued = 0  # prompts being prefilled for this node
         self.tokens_running = 0  # context tokens of sequences in the decode batch
         self.requests_running = 0
@@ -93,7 +124,7 @@ class DecodeRole:
                 pass
 
     async def _decode_loop(self) -> None:
-        engine = self.node.engine
+        engine = self.engine
         while True:
             await self._work.wait()
             if not engine.running:
@@ -116,8 +147,7 @@ class DecodeRole:
     # ---- one turn -----------------------------------------------------------------------------
 
     async def generate(self, req: wpb.GenerateRequest) -> AsyncIterator[wpb.GenerateChunk]:
-        node = self.node
-        model = node.cfg.spec.model
+        model = self.model
         prompt = list(req.prompt_tokens)
         if not prompt:
             raise ValueError("prompt_tokens is empty")
@@ -217,16 +247,16 @@ class DecodeRole:
                 self.tokens_running -= len(prompt)
                 self.requests_running -= 1
                 await asyncio.get_running_loop().run_in_executor(
-                    node.engine.executor, node.engine.free, rid
+                    self.engine.executor, self.engine.free, rid
                 )
                 self._freed.set()
             metrics.REQUESTS.labels("decode", path, outcome).inc()
 
     async def _admit(self, rid, kv, logits, params):  # noqa: ANN001, ANN202
         """Add the sequence to the decode batch (on the compute thread), waiting for pages."""
-        engine = self.node.engine
+        engine = self.engine
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.node.deadline_s
+        deadline = loop.time() + self.deadline_s
         while True:
             try:
                 return await loop.run_in_executor(
@@ -246,20 +276,20 @@ class DecodeRole:
     ):
         """Write the turn's new full blocks (prompt + generated, last token excluded), ids
         chained under the request's cache salt."""
-        node = self.node
+        engine = self.engine
         tokens = prompt + generated[:-1]
-        bt = node.cfg.spec.model.block_tokens
+        bt = self.model.block_tokens
         if len(tokens) // bt <= hit // bt:
             return
         loop = asyncio.get_running_loop()
-        kv = await loop.run_in_executor(node.engine.executor, node.engine.sequence_kv, rid, hit)
+        kv = await loop.run_in_executor(engine.executor, engine.sequence_kv, rid, hit)
         try:
-            written = await asyncio.to_thread(node.store.put_tokens, tokens, kv, hit, salt)
+            written = await asyncio.to_thread(self.store.put_tokens, tokens, kv, hit, salt)
         except OSError as err:  # a full or failing disk must not fail the answer
             log.debug("request %s: writing its KV blocks failed: %s", rid, err)  # store counted it
             return
         log.debug("request %s: %d new blocks stored", rid, len(written))
-        await node.flush_kv_events()  # the agent's next turn must find them in the index
+        await self.flush_kv_events()  # the agent's next turn must find them in the index
 
     async def _exchange(
         self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str
@@ -272,7 +302,7 @@ class DecodeRole:
         ex = _Exchange()
 
         async def run() -> tuple[list, torch.Tensor, int, str]:
-            with self.node.transfer.active():
+            with self.transfer.active():
                 return await self._prefill(req, prompt, hit, path, ex)
 
         task = asyncio.ensure_future(run())
@@ -298,11 +328,10 @@ class DecodeRole:
         ex: _Exchange | None = None,
     ) -> tuple[list, torch.Tensor, int, str]:
         """Steps 1-4 of the module docstring: the whole prompt's KV here, and the logits."""
-        node = self.node
-        model = node.cfg.spec.model
-        transfer = node.transfer
+        model = self.model
+        transfer = self.transfer
         rid = req.request_id
-        deadline_s = node.deadline_s
+        deadline_s = self.deadline_s
         ex = ex or _Exchange()
         regions = []
         handle = None
@@ -318,7 +347,7 @@ class DecodeRole:
                 regions.append(hit_region)
             if path == "decode":
                 ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
-                handle = node.read_queue.submit(ids, out=hit_region.tensor)
+                handle = self.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:  # shrink the hit to the valid prefix, same region
                     handle.close()
@@ -331,13 +360,13 @@ class DecodeRole:
                     )
                     metrics.FALLBACKS.labels("short_hit").inc()
                     layout = RequestLayout.of(model, valid * model.block_tokens, len(prompt))
-                    handle = node.read_queue.submit(ids[:valid], out=hit_region.tensor)
+                    handle = self.read_queue.submit(ids[:valid], out=hit_region.tensor)
                     await handle.ready()
                     if not valid:
                         path = "none"
             new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
             regions.append(new_region)
-            stub = node.worker_stub(req.prefill_address)
+            stub = self.worker_stub(req.prefill_address)
             ex.started = True
             call = stub.Prefill(
                 wpb.PrefillRequest(
@@ -346,7 +375,7 @@ class DecodeRole:
                     cache_salt=req.cache_salt,
                     hit_tokens=layout.hit_tokens,
                     read_path=_PATH_ENUM[path],
-                    decode_node=node.node_id,
+                    decode_node=self.node_id,
                     decode_agent=transfer.name,
                     decode_agent_metadata=transfer.metadata,
                     decode_hit=wpb.Region(address=hit_region.address, length=hit_region.nbytes)
@@ -354,7 +383,7 @@ class DecodeRole:
                     else None,
                     decode_new=wpb.Region(address=new_region.address, length=new_region.nbytes),
                 ),
-                timeout=node.request_timeout_s,
+                timeout=self.request_timeout_s,
             )
             stream = call.__aiter__()
             accepted = (await anext(stream)).accepted
@@ -410,7 +439,10 @@ class DecodeRole:
                 call.cancel()
             if handle is not None:
                 handle.close()
-            node.release(
-                regions, 0.0 if clean or call is None or peer_ended else deadline_s, handle
+            release_regions(
+                transfer.pool,
+                regions,
+                0.0 if clean or call is None or peer_ended else deadline_s,
+                handle,
             )
             transfer.discard_notifs(f"{rid}/".encode())

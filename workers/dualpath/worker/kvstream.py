@@ -12,8 +12,8 @@ import asyncio
 
 import torch
 
-from dualpath.transfer.engine import TransferEngine
 from dualpath.transfer.pool import Region
+from dualpath.transfer.protocol import KVTransfer
 from dualpath.worker.layout import RequestLayout
 
 
@@ -26,7 +26,7 @@ def new_notif(request_id: str, layer: int) -> bytes:
 
 
 async def send_hit_layer(
-    transfer: TransferEngine,
+    transfer: KVTransfer,
     source,  # noqa: ANN001 (a LayerReadHandle filling `region`)
     layout: RequestLayout,
     region: Region,
@@ -49,7 +49,7 @@ async def send_hit_layer(
 
 
 def stream_hit_layers(
-    transfer: TransferEngine,
+    transfer: KVTransfer,
     source,  # noqa: ANN001 (a LayerReadHandle filling `region`)
     layout: RequestLayout,
     region: Region,
@@ -72,7 +72,7 @@ class RemoteHitSource:
 
     def __init__(
         self,
-        transfer: TransferEngine,
+        transfer: KVTransfer,
         peer: str,
         request_id: str,
         layout: RequestLayout,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from dualpath.config import ModelSpec
+from dualpath.kv.buffers import TORCH_DTYPES, LayerKV, request_layer_views
 from dualpath.kv.format import BlockLayout
-from dualpath.kv.store import TORCH_DTYPES, LayerKV, request_layer_views
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,6 +32,18 @@ from dualpath.units import gbps_to_bytes_per_s
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
+
+if TYPE_CHECKING:  # the parts import torch and NIXL: loaded in start(), off the CLI's path
+    from dualpath.engine import Engine
+    from dualpath.kv.events import KvEventBuffer
+    from dualpath.kv.protocol import BlockStore
+    from dualpath.kv.queue import ReadQueue
+    from dualpath.scheduler.client import NodeAgent
+    from dualpath.scheduler.kv_events import KvEventPublisher
+    from dualpath.transfer.protocol import KVTransfer
+    from dualpath.worker.checks import Check
+    from dualpath.worker.decode import DecodeRole
+    from dualpath.worker.prefill import PrefillRole
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +154,18 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
 
 class WorkerNode:
-    def __init__(self, cfg: ClusterConfig, opts: NodeOptions) -> None:
+    """One worker process's parts. Every attribute exists from `__init__`: the parts `start()`
+    builds are None until then (and `stop()` closes only those that exist). A `store` or a
+    `transfer` given here is used instead of the one `start()` would build (the in-memory
+    `kv.memory.MemoryStore` and `transfer.fake.MemoryTransfer` in tests without NIXL)."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        opts: NodeOptions,
+        store: BlockStore | None = None,
+        transfer: KVTransfer | None = None,
+    ) -> None:
         self.cfg = cfg
         self.opts = opts
         self.role = opts.role
@@ -157,14 +181,20 @@ class WorkerNode:
         self.inflight = 0  # Prefill and Generate calls being served
         self.started = False  # model loaded, gRPC server up
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.prefill = None
-        self.decode = None
+        self.checks: list[Check] = []  # start-up checks of the pod's environment
+        self.engine: Engine | None = None
+        self.store: BlockStore | None = store
+        self.read_queue: ReadQueue | None = None
+        self.transfer: KVTransfer | None = transfer
+        self.prefill: PrefillRole | None = None
+        self.decode: DecodeRole | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
-        self._agent = None
-        self.kv_events = None  # the store's KV events (with a scheduler), and their publisher
-        self._publisher = None
+        self._agent: NodeAgent | None = None
+        # the store's KV events (with a scheduler), and their publisher
+        self.kv_events: KvEventBuffer | None = None
+        self._publisher: KvEventPublisher | None = None
         self.port = 0
 
     # ---- start ----------------------------------------------------------------------------
@@ -190,17 +220,18 @@ class WorkerNode:
         )
         storage = self.opts.storage or spec.storage.path
         backend = self.opts.store_backend if spec.storage.use_nixl else "preadv"
-        if self.opts.scheduler:
-            from dualpath.kv.events import KvEventBuffer
+        if self.store is None:
+            if self.opts.scheduler:
+                from dualpath.kv.events import KvEventBuffer
 
-            self.kv_events = KvEventBuffer()
-        self.store = KVStore(
-            storage,
-            spec.model,
-            spec.storage.capacity_bytes,
-            backend=backend,
-            events=self.kv_events,
-        )
+                self.kv_events = KvEventBuffer()
+            self.store = KVStore(
+                storage,
+                spec.model,
+                spec.storage.capacity_bytes,
+                backend=backend,
+                events=self.kv_events,
+            )
         self.read_queue = ReadQueue(
             self.store,
             spec.storage.read_concurrency,
@@ -208,16 +239,36 @@ class WorkerNode:
             name=self.node_id,
             read_timeout_s=spec.storage.read_timeout_ms / 1000,
         )
-        self.transfer = TransferEngine(
-            self.node_id,
-            pool.kv_buffer_bytes,
-            link=ComputeLink.from_spec(spec.network, name=self.node_id),
-            deadline_s=self.deadline_s,
-        ).start()
+        if self.transfer is None:
+            self.transfer = TransferEngine(
+                self.node_id,
+                pool.kv_buffer_bytes,
+                link=ComputeLink.from_spec(spec.network, name=self.node_id),
+                deadline_s=self.deadline_s,
+            )
+        self.transfer.start()
         if self.role is Role.PREFILL:
-            self.prefill = await PrefillRole(self).start()
+            self.prefill = await PrefillRole(
+                model=spec.model,
+                engine=self.engine,
+                transfer=self.transfer,
+                read_queue=self.read_queue,
+                deadline_s=self.deadline_s,
+                batch_quota_ms=spec.workers.prefill_batch_quota_ms,
+            ).start()
         else:
-            self.decode = DecodeRole(self)
+            self.decode = DecodeRole(
+                node_id=self.node_id,
+                model=spec.model,
+                engine=self.engine,
+                store=self.store,
+                transfer=self.transfer,
+                read_queue=self.read_queue,
+                deadline_s=self.deadline_s,
+                request_timeout_s=self.request_timeout_s,
+                worker_stub=self.worker_stub,
+                flush_kv_events=self.flush_kv_events,
+            )
             self.decode.start()
         self._server = grpc.aio.server(
             interceptors=server_interceptors(self.opts.token, f"{self.role.value}-worker"),
@@ -277,10 +328,11 @@ class WorkerNode:
             interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
             token=self.opts.token,
         )
-        self._publisher = KvEventPublisher(
-            self._agent.stub, self.node_id, self.kv_events, self.store.scan_keys
-        ).start()
-        self._agent.on_kv_snapshot = self._publisher.request_snapshot
+        if self.kv_events is not None:  # a store given to the node announces nothing
+            self._publisher = KvEventPublisher(
+                self._agent.stub, self.node_id, self.kv_events, self.store.scan_keys
+            ).start()
+            self._agent.on_kv_snapshot = self._publisher.request_snapshot
         self._agent.start()
 
     async def flush_kv_events(self) -> None:
@@ -356,39 +408,6 @@ class WorkerNode:
             )
         return wpb_grpc.WorkerStub(ch)
 
-    def release(self, regions, hold_s: float = 0.0, reading=None) -> None:  # noqa: ANN001
-        """Free a request's buffer regions, at once when nothing can still be written into
-        them (`hold_s` 0: the request ended cleanly, its peer never learned their addresses,
-        is dead or has ended its side), else after `hold_s`, the deadline of the peer's WRITEs
-        that may still be in flight. `reading`: the request's storage read handle; a read
-        still running in a pool thread (a stuck mount, say) writes into the buffer until it
-        returns, so the regions wait for it first."""
-        if not regions:
-            return
-        if reading is not None and reading.busy:
-            loop = asyncio.get_running_loop()
-
-            def later() -> None:
-                if reading.busy:
-                    loop.call_later(0.05, later)
-                else:
-                    self.release(regions, hold_s)
-
-            log.info("KV buffer waits for a storage read still running in its pool thread")
-            loop.call_later(0.05, later)
-            return
-        pool = self.transfer.pool
-        if hold_s <= 0:
-            for r in regions:
-                pool.free(r)
-            return
-        log.info(
-            "quarantining %d KV buffer bytes for %.1fs: a peer's WRITE may still land in them",
-            sum(r.nbytes for r in regions),
-            hold_s,
-        )
-        asyncio.get_running_loop().call_later(hold_s, lambda: [pool.free(r) for r in regions])
-
     # ---- stop -------------------------------------------------------------------------------
 
     async def drain_and_stop(self) -> None:
@@ -459,11 +478,12 @@ class WorkerNode:
             await self.prefill.stop()
         for ch in self._channels.values():
             await ch.close()
-        if getattr(self, "transfer", None) is not None:
+        if self.transfer is not None:
             await self.transfer.aclose()
-        if getattr(self, "read_queue", None) is not None:
+        if self.read_queue is not None:
             self.read_queue.close()
+        if self.store is not None:
             self.store.close()
-        if getattr(self, "engine", None) is not None:
+        if self.engine is not None:
             self.engine.close()
         log.info("worker %s stopped (pid %d)", self.node_id, os.getpid())

@@ -21,16 +21,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from dualpath.engine import BatchMember, PrefillRun
+from dualpath.config import ModelSpec
+from dualpath.engine import BatchMember, Engine, PrefillRun
 from dualpath.kv import KVLoadError, block_ids
 from dualpath.kv.ids import MAX_SALT_BYTES
-from dualpath.transfer.engine import TransferEngine
+from dualpath.kv.queue import ReadQueue
+from dualpath.transfer.protocol import KVTransfer
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
 from dualpath.worker.admission import BatchAdmission
 from dualpath.worker.kvstream import RemoteHitSource, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
+from dualpath.worker.regions import release_regions
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +63,35 @@ class PrefillLoad:
 
 
 class PrefillRole:
-    def __init__(self, node, max_concurrent: int = 8) -> None:  # noqa: ANN001 (WorkerNode)
-        self.node = node
+    """A prefill node's work: given its model, compute engine, KV transfer and storage read
+    queue (nothing else of the node), it serves `Worker.Prefill` calls."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelSpec,
+        engine: Engine,
+        transfer: KVTransfer,
+        read_queue: ReadQueue,
+        deadline_s: float,
+        batch_quota_ms: int = 0,
+        max_concurrent: int = 8,
+    ) -> None:
+        self.model = model
+        self.engine = engine
+        self.transfer = transfer
+        self.read_queue = read_queue
+        self.deadline_s = deadline_s  # one transfer, one notification wait, one buffer wait
+        self.batch_quota_ms = batch_quota_ms  # workers.prefillBatchQuotaMs (0: no batching)
         self.load = PrefillLoad()
         self._slots = asyncio.Semaphore(max_concurrent)
         self.admission: BatchAdmission | None = None
 
     async def start(self) -> PrefillRole:
         """With `workers.prefillBatchQuotaMs`, calibrate the cost model and batch admissions."""
-        quota_ms = self.node.cfg.spec.workers.prefill_batch_quota_ms
+        quota_ms = self.batch_quota_ms
         if quota_ms:
-            self.admission = (
-                await BatchAdmission.calibrated(self.node.engine, quota_ms / 1000)
-            ).start()
+            self.admission = (await BatchAdmission.calibrated(self.engine, quota_ms / 1000)).start()
             log.info(
                 "prefill batching on: quota %d ms, cost model %s",
                 quota_ms,
@@ -95,12 +114,11 @@ class PrefillRole:
         # compute slots: more than one so a request still waiting for its hit KV does not
         # idle the compute thread while the next one's KV is already here
         async with self._slots:
-            yield self.node.engine.prefill(tokens, hit_tokens, source)
+            yield self.engine.prefill(tokens, hit_tokens, source)
 
     async def serve(self, req: wpb.PrefillRequest, context) -> None:  # noqa: ANN001
         """Stream `accepted` then `done` (see the module docstring); raise on failure."""
-        node = self.node
-        model = node.cfg.spec.model
+        model = self.model
         prompt = list(req.prompt_tokens)
         try:
             layout = RequestLayout.of(model, int(req.hit_tokens), len(prompt))
@@ -112,7 +130,7 @@ class PrefillRole:
                 f"at most {MAX_SALT_BYTES}"
             )
         path = PATH_NAMES.get(req.read_path, "prefill") if layout.hit_blocks else "none"
-        transfer: TransferEngine = node.transfer
+        transfer = self.transfer
         peer = req.decode_agent
         if not transfer.knows(peer):
             transfer.add_peer(req.decode_agent_metadata)
@@ -126,7 +144,7 @@ class PrefillRole:
             # I/O starts at arrival (buffer space is the admission limit for KV in flight), so
             # the read queue's pending bytes, which the scheduler balances, include this request
             pool = transfer.pool
-            timeout = node.deadline_s
+            timeout = self.deadline_s
             hit_region = (
                 await pool.alloc_wait(layout.hit_bytes, timeout) if layout.hit_blocks else None
             )
@@ -138,7 +156,7 @@ class PrefillRole:
             rid = req.request_id
             if path == "prefill":
                 ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
-                handle = node.read_queue.submit(ids, out=hit_region.tensor)
+                handle = self.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:
                     raise HitUnavailable(
@@ -240,5 +258,5 @@ class PrefillRole:
                 handle.close()
             # only path D's hit layers are written here by a peer (the decode node)
             remote = path == "decode" and announced and not ok
-            node.release(regions, node.deadline_s if remote else 0.0, handle)
+            release_regions(transfer.pool, regions, self.deadline_s if remote else 0.0, handle)
             transfer.discard_notifs(f"{req.request_id}/".encode())

@@ -1,0 +1,203 @@
+"""The prefill and decode roles over the in-memory store and transfer engine: both read paths,
+bad and vanished hit blocks, stuck reads and dead peers, everywhere (no NIXL, no disk).
+
+Two worker nodes run in the test's process with their real roles, read queues, engines and
+gRPC service; only the store (`kv.memory.MemoryStore`, shared like a storage mount) and the KV
+transfer (`transfer.fake.MemoryTransfer`) are the fakes. tests/integration/worker/test_paths.py
+runs the same paths over NIXL between processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from dualpath.config import Role, from_resource
+from dualpath.kv import block_ids
+from dualpath.kv.memory import MemoryStore
+from dualpath.transfer.fake import MemoryFabric, MemoryTransfer
+from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.worker.decode import PrefillFailed
+from dualpath.worker.node import NodeOptions, WorkerNode
+
+BT = 16
+DEADLINE_S = 1.0
+PATHS = {"prefill": spb.READ_PATH_PREFILL, "decode": spb.READ_PATH_DECODE}
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    cfg = from_resource(
+        {
+            "apiVersion": "dualpath.io/v1alpha1",
+            "kind": "DualPathCluster",
+            "metadata": {"name": "roles"},
+            "spec": {
+                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
+                "prefill": {"replicas": 1, "kvBufferBytes": 8 << 20},
+                "decode": {"replicas": 1, "kvBufferBytes": 8 << 20},
+                "storage": {"path": str(tmp_path / "kv"), "readTimeoutMs": 500},
+            },
+        }
+    )
+    fabric = MemoryFabric()
+    store = MemoryStore(cfg.spec.model)
+    nodes = {}
+    for role, name in ((Role.PREFILL, "prefill-0"), (Role.DECODE, "decode-0")):
+        opts = NodeOptions(role=role, node_id=name, kv_cache_tokens=4096, deadline_s=DEADLINE_S)
+        transfer = MemoryTransfer(name, 8 << 20, fabric, deadline_s=DEADLINE_S)
+        nodes[name] = await WorkerNode(cfg, opts, store=store, transfer=transfer).start()
+    try:
+        yield nodes["prefill-0"], nodes["decode-0"], store, fabric
+    finally:
+        for node in nodes.values():
+            await node.stop()
+
+
+def _request(prefill, rid, prompt, hit, path, max_new=4):
+    return wpb.GenerateRequest(
+        request_id=rid,
+        prompt_tokens=prompt,
+        hit_tokens=hit,
+        max_new_tokens=max_new,
+        read_path=PATHS.get(path, spb.READ_PATH_UNSPECIFIED),
+        prefill_node=prefill.node_id,
+        prefill_address=prefill.address,
+    )
+
+
+async def _generate(decode, req):
+    chunks = [c async for c in decode.decode.generate(req)]
+    return [t for c in chunks for t in c.tokens], chunks[0]
+
+
+async def _turn_then_context(prefill, decode, store, seed):
+    """Turn 1 stores its blocks; the next turn's context hits 3 of them."""
+    model = decode.cfg.spec.model
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(4, model.vocab_size, (50,), generator=g).tolist()
+    gen1, first = await _generate(decode, _request(prefill, f"t1-{seed}", prompt, 0, "none", 3))
+    assert first.hit_tokens == 0
+    ctx = prompt + gen1 + [7, 8, 9]
+    ids = block_ids(ctx, model)
+    assert store.lookup(ids) == 3  # prompt + generated, last token's KV not computed yet
+    clean, _ = await _generate(decode, _request(prefill, f"ref-{seed}", ctx, 0, "none"))
+    return ctx, ids, clean
+
+
+async def _all_regions_back(*nodes, within_s=5.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while any(n.transfer.pool.regions for n in nodes) and loop.time() < end:
+        await asyncio.sleep(0.02)
+    return [n.transfer.pool.regions for n in nodes] == [0] * len(nodes)
+
+
+async def test_each_path_reads_on_its_own_side_and_leaves_the_same_kv(cluster):
+    prefill, decode, store, _ = cluster
+    ctx, _, clean = await _turn_then_context(prefill, decode, store, seed=3)
+    hit = 3 * BT
+    kv, logits = {}, {}
+    for path in ("prefill", "decode"):
+        reads = (prefill.read_queue.read_bytes, decode.read_queue.read_bytes)
+        writes = (prefill.transfer.stats.writes, decode.transfer.stats.writes)
+        req = _request(prefill, f"kv-{path}", ctx, hit, path)
+        with decode.transfer.active():
+            kv[path], logits[path], used_hit, used_path = await decode.decode._prefill(
+                req, ctx, hit, path
+            )
+        assert (used_hit, used_path) == (hit, path)
+        read_p = prefill.read_queue.read_bytes - reads[0]
+        read_d = decode.read_queue.read_bytes - reads[1]
+        layers = decode.cfg.spec.model.layers
+        if path == "prefill":  # path P: the prefill node reads, then sends hit and new KV
+            assert read_p > 0 and read_d == 0
+            assert prefill.transfer.stats.writes - writes[0] == 2 * layers
+            assert decode.transfer.stats.writes == writes[1]
+        else:  # path D: the decode node reads and relays the hit, layer by layer
+            assert read_d > 0 and read_p == 0
+            assert decode.transfer.stats.writes - writes[1] == layers
+            assert prefill.transfer.stats.writes - writes[0] == layers  # new KV only
+    for (kp, vp), (kd, vd) in zip(kv["prefill"], kv["decode"], strict=True):
+        assert torch.equal(kp, kd) and torch.equal(vp, vd)
+    assert torch.equal(logits["prefill"], logits["decode"])
+    for path, enum in PATHS.items():
+        tokens, head = await _generate(decode, _request(prefill, f"t2-{path}", ctx, hit, path))
+        assert (head.hit_tokens, head.read_path, tokens) == (hit, enum, clean)
+    assert await _all_regions_back(prefill, decode)
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+async def test_a_hit_that_ends_at_a_bad_block_is_recomputed_from_there(cluster, path):
+    prefill, decode, store, _ = cluster
+    ctx, ids, clean = await _turn_then_context(prefill, decode, store, seed=5)
+    store.corrupt(ids[1], layer=1)
+    checksum_misses = store.misses["checksum"]
+    tokens, head = await _generate(decode, _request(prefill, f"bad-{path}", ctx, 3 * BT, path))
+    assert tokens == clean  # the bad block's KV was never used
+    assert head.hit_tokens == BT and head.read_path == PATHS[path]  # block 0 still served
+    assert store.misses["checksum"] == checksum_misses + 1
+    assert store.lookup(ids) == 3  # dropped, and the recomputed turn wrote it again
+    assert await _all_regions_back(prefill, decode)
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+async def test_a_hit_the_store_lost_ends_at_the_gap(cluster, path):
+    prefill, decode, store, _ = cluster
+    ctx, ids, clean = await _turn_then_context(prefill, decode, store, seed=11)
+    store.remove(ids[0])  # gone behind the index's back: nothing of the hit is readable
+    tokens, head = await _generate(decode, _request(prefill, f"gap-{path}", ctx, 3 * BT, path))
+    assert tokens == clean and head.hit_tokens == 0
+    assert head.read_path == spb.READ_PATH_UNSPECIFIED  # all recomputed, no path used
+    assert store.lookup(ids) == 3
+
+
+async def test_a_stuck_read_ends_at_the_read_bound_and_is_recomputed(cluster):
+    prefill, decode, store, _ = cluster
+    ctx, ids, clean = await _turn_then_context(prefill, decode, store, seed=13)
+    release = store.hold(ids[0])
+    try:
+        req = _request(prefill, "stuck", ctx, 3 * BT, "decode")
+        tokens, head = await asyncio.wait_for(_generate(decode, req), 30)
+    finally:
+        release.set()
+    assert tokens == clean and head.hit_tokens == 0
+    assert store.misses["timeout"] == 1
+
+
+async def test_a_dead_prefill_peer_fails_the_turn_naming_it_then_recovers(cluster):
+    prefill, decode, store, fabric = cluster
+    ctx, _, clean = await _turn_then_context(prefill, decode, store, seed=17)
+    fabric.kill(prefill.transfer.name)  # path D's relay WRITEs to it fail
+    with pytest.raises(PrefillFailed, match=r"KV transfer with prefill-0: .*peer is gone"):
+        await _generate(decode, _request(prefill, "dead", ctx, 3 * BT, "decode"))
+    assert not decode.transfer.knows(prefill.transfer.name)  # dropped: reconnects next time
+    # the decode node's regions wait out the deadline (a WRITE may still land), then go back
+    assert await _all_regions_back(decode, within_s=DEADLINE_S + 3)
+    fabric.heal(prefill.transfer.name)
+    await _all_regions_back(prefill, within_s=DEADLINE_S + 3)
+    tokens, head = await _generate(decode, _request(prefill, "healed", ctx, 3 * BT, "decode"))
+    assert tokens == clean and head.hit_tokens == 3 * BT
+
+
+async def test_a_hung_decode_peer_fails_path_p_within_the_deadline(cluster):
+    prefill, decode, store, fabric = cluster
+    ctx, _, _ = await _turn_then_context(prefill, decode, store, seed=19)
+    fabric.hang(decode.transfer.name)  # the prefill node's WRITEs to it stall
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(PrefillFailed, match="prefill worker prefill-0 .*INTERNAL"):
+        await _generate(decode, _request(prefill, "hung", ctx, 3 * BT, "prefill"))
+    assert loop.time() - t0 < DEADLINE_S + 5  # the transfer deadline ended it
+    fabric.heal(decode.transfer.name)
+    assert await _all_regions_back(prefill, decode, within_s=DEADLINE_S + 3)
+
+
+async def test_a_prefill_node_that_is_down_fails_the_turn_naming_it(cluster):
+    prefill, decode, store, _ = cluster
+    await prefill.stop()
+    with pytest.raises(PrefillFailed, match=r"prefill worker prefill-0 \(.*\): UNAVAILABLE"):
+        await _generate(decode, _request(prefill, "down", [5] * 20, 0, "none"))
+    assert await _all_regions_back(decode)

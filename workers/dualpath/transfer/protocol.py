@@ -1,0 +1,75 @@
+"""The KV transfer contract the workers use (DESIGN section 3): one-sided WRITEs from this
+node's registered buffer into a peer's, each followed by a notification the peer waits for.
+
+Two implementations keep it: `transfer.engine.TransferEngine` (NIXL over UCX: RDMA on a
+cluster, shared memory locally) and `transfer.fake.MemoryTransfer` (in-process, for tests of
+the roles where NIXL is not installed). Both share their bookkeeping (`transfer.base`), so
+peers, deadlines, notifications and failures behave the same in both:
+
+- `write` raises `TransferError` when the engine is closed, the peer unknown, dead or
+  unreachable, or the WRITE misses its deadline; a failed peer is dropped (`knows` turns
+  False) so the next request reconnects from fresh metadata. A source outside the registered
+  buffer is a `ValueError` (a bug, not a transfer failure).
+- `wait_notif` returns at once for a notification that already arrived, else waits for it and
+  raises `TransferError` at its deadline ("did not arrive": the peer is dead or unreachable).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from dualpath.transfer.pool import BufferPool
+
+
+class TransferError(RuntimeError):
+    """A KV transfer failed or missed its deadline; the message names the peer and bytes."""
+
+
+class KVTransfer(Protocol):
+    """A worker's KV transfer agent with its registered buffer; used from one asyncio loop."""
+
+    name: str  # this agent's name, what peers pass to `write` and `wait_notif`
+    metadata: bytes  # what a peer's `add_peer` needs to reach this agent
+    pool: BufferPool  # the registered buffer, carved into per-request regions
+    deadline_s: float  # default deadline of one WRITE or one notification wait
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata (idempotent); returns the peer's agent name."""
+        ...
+
+    def knows(self, peer: str) -> bool: ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    async def write(
+        self,
+        peer: str,
+        src_address: int,
+        nbytes: int,
+        dst_address: int,
+        notif: bytes = b"",
+        traffic_class: str = "kv",
+        deadline_s: float | None = None,
+    ) -> None:
+        """WRITE `nbytes` at `src_address` of our buffer to `dst_address` of the peer's;
+        `notif` is delivered to the peer after the data."""
+        ...
+
+    async def wait_notif(self, peer: str, msg: bytes, deadline_s: float | None = None) -> None:
+        """Wait for notification `msg` from `peer` (it may already have arrived)."""
+        ...
+
+    def discard_notifs(self, prefix: bytes) -> None:
+        """Forget arrived notifications starting with `prefix` that nobody will wait for."""
+        ...
+
+    def active(self) -> AbstractContextManager[None]:
+        """Around a request whose peers may write to us: keeps incoming data progressing."""
+        ...
+
+    def start(self) -> KVTransfer: ...
+
+    async def aclose(self) -> None:
+        """Fail the waits in progress, drop the peers, release the buffer (idempotent)."""
+        ...
