@@ -22,6 +22,7 @@ import torch
 
 from dualpath.config import ModelSpec
 from dualpath.engine.batch import BatchPrefillRun, BatchRequest
+from dualpath.engine.checkpoint import load_model
 from dualpath.engine.decode import (
     PagedKVCache,
     SamplingParams,
@@ -47,7 +48,7 @@ class Engine:
     ) -> None:
         self.threads = configure_threads(threads)
         self.spec = spec
-        self.model = model or Transformer.load(spec)
+        self.model = model or load_model(spec)
         self.cache = PagedKVCache(self.model, kv_capacity_tokens, page_tokens or spec.block_tokens)
         self.executor = cf.ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
         self.sequences: dict[str, Sequence_] = {}
