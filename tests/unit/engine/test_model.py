@@ -337,8 +337,8 @@ async def test_leaving_a_prefill_early_stops_it(engine):
     layers = run.__aiter__()
     assert (await anext(layers))[0] == 0
     await layers.aclose()  # the caller gives up after layer 0
-    assert run._task is not None
+    assert run.batch._task is not None
     with pytest.raises(asyncio.CancelledError):
-        await run._task
+        await run.batch._task
     assert run.logits is None
     await asyncio.wait_for(engine.prefill(x[:8]).collect(), timeout=30)

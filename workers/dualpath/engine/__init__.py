@@ -14,6 +14,7 @@ from dualpath import lazy
 _EXPORTS = {
     "BatchMember": "dualpath.engine.batch",
     "BatchPrefillRun": "dualpath.engine.batch",
+    "PrefillRun": "dualpath.engine.batch",
     "load_checkpoint": "dualpath.engine.checkpoint",
     "load_model": "dualpath.engine.checkpoint",
     "save_checkpoint": "dualpath.engine.checkpoint",
@@ -30,7 +31,6 @@ _EXPORTS = {
     "EmptySource": "dualpath.engine.prefill",
     "LayerSource": "dualpath.engine.prefill",
     "MemorySource": "dualpath.engine.prefill",
-    "PrefillRun": "dualpath.engine.prefill",
     "ThrottledSource": "dualpath.engine.prefill",
 }
 __all__ = sorted(_EXPORTS)

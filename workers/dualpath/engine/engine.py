@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from dualpath.config import ModelSpec
-from dualpath.engine.batch import BatchPrefillRun, BatchRequest
+from dualpath.engine.batch import BatchPrefillRun, BatchRequest, PrefillRun
 from dualpath.engine.checkpoint import load_model
 from dualpath.engine.decode import (
     PagedKVCache,
@@ -32,7 +32,7 @@ from dualpath.engine.decode import (
     sample,
 )
 from dualpath.engine.model import Transformer, configure_threads
-from dualpath.engine.prefill import LayerKV, LayerSource, PrefillRun
+from dualpath.engine.prefill import LayerKV, LayerSource
 
 log = logging.getLogger(__name__)
 
