@@ -94,6 +94,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 ATTENTION_TILE_TOKENS = 128
+# floats in the widest vector step of torch's CPU kernels (AVX-512: 2 x 16); an exp over rows of a
+# multiple of this is computed the same way in every lane whatever the tensor's length
+VECTOR_FLOATS = 32
+SCORE_FLOATS = 1 << 22  # the scores of the tiles attended to in one call (16 MiB)
 
 
 class TiledAttention:
@@ -103,14 +107,20 @@ class TiledAttention:
     is still on the wire. The hit KV is then consumed in fixed tiles of `tile` tokens counted
     from the hit's first token, each as soon as it has arrived, and the result does not depend
     on how the source cut the layer into pieces (path P and path D give bit-identical outputs).
-    Each tile gives a partial output and its log-sum-exp; the partials are merged in one fixed
-    order (self, then hit tiles in order). The math runs in fp32 whatever the model dtype.
+    Each tile gives an unnormalised partial output, its row max and its row sum of exp (as in
+    FlashAttention); the partials are merged in one fixed order (self, then hit tiles in order)
+    and normalised once at the end. The math runs in fp32 whatever the model dtype.
 
         acc = TiledAttention(q, kv_heads, scale)
         acc.add_self(k_new, v_new)           # causal self-attention, before any hit
         acc.push(k0, v0); acc.push(k1, v1)   # any cut; full tiles are computed as they fill
         acc.compute_ready(final=True)        # the last, partial tile
         out = acc.result()                   # (n, heads * head_dim)
+
+    The full tiles that are here at once are computed together (one score matmul, one exp, one
+    value matmul over all of them: far fewer, larger operations); each tile's partial has the
+    same bits either way (each score and each output row is summed over head_dim or over the
+    tile alone, and the exp and the merges see the same layouts), which the tests check.
     """
 
     def __init__(
@@ -122,8 +132,10 @@ class TiledAttention:
         # head h reads kv head h // groups (HF repeat_kv): (kv_heads, groups, n, hd)
         self.q = q.float().permute(1, 0, 2).reshape(kv_heads, self.groups, n, hd)
         self.scale, self.tile = scale, tile
+        # the merged partials: unnormalised output, row max, row sum of exp
         self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
+        self.max: torch.Tensor | None = None
+        self.sum: torch.Tensor | None = None
         self.hit_tokens = 0  # pushed so far
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_tokens = 0
@@ -155,11 +167,22 @@ class TiledAttention:
             return
         ks, vs = zip(*self._pending, strict=True)
         k, v = (torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0])
-        end = k.shape[0] if final else k.shape[0] - k.shape[0] % self.tile
-        for a in range(0, end, self.tile):
-            self._merge(*self._partial(self.q, k[a : a + self.tile], v[a : a + self.tile]), 0)
-        rest = k.shape[0] - end
-        self._pending = [(k[end:], v[end:])] if rest else []
+        full = k.shape[0] - k.shape[0] % self.tile
+        # tiles together only where every row of a tile's exp is whole vectors (same bits), and
+        # only as many as keep the scores within SCORE_FLOATS
+        step = self.tile
+        if self.tile % VECTOR_FLOATS == 0:
+            step *= max(1, SCORE_FLOATS // (self.heads * self.n * self.tile))
+        for a in range(0, full, step):
+            b = min(a + step, full)
+            for part in self._partials(self.q, k[a:b], v[a:b], self.tile):
+                self._merge(*part, 0)
+        if final and full < k.shape[0]:
+            (part,) = self._partials(self.q, k[full:], v[full:], k.shape[0] - full)
+            self._merge(*part, 0)
+            full = k.shape[0]
+        rest = k.shape[0] - full
+        self._pending = [(k[full:], v[full:])] if rest else []
         self._pending_tokens = rest
 
     def add_self(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -171,37 +194,65 @@ class TiledAttention:
             b = min(a + self.tile, n)
             # only queries a.. see any key of this tile, and each sees key a at least (no NaN)
             mask = torch.arange(a, b)[None, :] <= torch.arange(a, n)[:, None]
-            self._merge(*self._partial(self.q[:, :, a:], k[a:b], v[a:b], mask), a)
+            (part,) = self._partials(self.q[:, :, a:], k[a:b], v[a:b], b - a, mask)
+            self._merge(*part, a)
 
     def result(self) -> torch.Tensor:
         """(n, heads * hd) fp32: the merged attention output."""
         assert self.out is not None and not self._pending_tokens, "add_self, compute_ready(True)"
-        return self.out.reshape(self.heads, self.n, self.hd).transpose(0, 1).reshape(self.n, -1)
+        assert self.sum is not None
+        out = self.out / self.sum
+        return out.reshape(self.heads, self.n, self.hd).transpose(0, 1).reshape(self.n, -1)
 
-    def _partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kt = k.float().permute(1, 2, 0)[:, None]  # (kv_heads, 1, hd, t)
-        s = torch.matmul(q, kt).mul_(self.scale)  # (kv_heads, groups, rows, t)
+    def _partials(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tile: int,
+        mask: torch.Tensor | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per tile of `tile` keys of k: (unnormalised output, row max, row sum of exp).
+
+        Every tile is its own matmul of one shape, whether it is computed alone or with
+        others (a batch of them in one call), with its operands in one layout, so its bits do
+        not depend on how many tiles came together.
+        """
+        kvh, groups, rows, hd = q.shape
+        tiles = k.shape[0] // tile
+        # a kv head's groups share its keys: one (groups * rows, hd) x (hd, tile) matmul per kv
+        # head and tile, not one per query head
+        q2 = q.reshape(kvh, 1, groups * rows, hd).expand(kvh, tiles, groups * rows, hd)
+        q2 = q2.reshape(kvh * tiles, groups * rows, hd)
+        kt, vt = (
+            x.float().view(tiles, tile, kvh, hd).permute(2, 0, 1, 3).reshape(-1, tile, hd)
+            for x in (k, v)
+        )
+        s = torch.bmm(q2, kt.contiguous().transpose(1, 2)).mul_(self.scale)
+        s5 = s.view(kvh, tiles, groups, rows, tile)
         if mask is not None:
-            s.masked_fill_(~mask, float("-inf"))
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        p = s.sub_(lse).exp_()
-        return torch.matmul(p, v.float().permute(1, 0, 2)[:, None]), lse
+            s5.masked_fill_(~mask, float("-inf"))
+        mx = s5.amax(-1, keepdim=True)
+        total = s5.sub_(mx).exp_().sum(-1, keepdim=True)
+        o = torch.bmm(s, vt.contiguous()).view(kvh, tiles, groups, rows, hd)
+        return [(o[:, j], mx[:, j], total[:, j]) for j in range(tiles)]
 
-    def _merge(self, out: torch.Tensor, lse: torch.Tensor, row0: int) -> None:
+    def _merge(self, out: torch.Tensor, mx: torch.Tensor, total: torch.Tensor, row0: int) -> None:
         if self.out is None:
-            if row0:  # rows before row0 saw no key yet: out 0, lse -inf
+            if row0:  # rows before row0 saw no key yet: out 0, max -inf, sum 0
                 self.out = self.q.new_zeros(self.q.shape)
-                self.lse = self.q.new_full((*self.q.shape[:3], 1), float("-inf"))
+                self.max = self.q.new_full((*self.q.shape[:3], 1), float("-inf"))
+                self.sum = self.q.new_zeros((*self.q.shape[:3], 1))
             else:
-                self.out, self.lse = out, lse
+                self.out, self.max, self.sum = out.contiguous(), mx.contiguous(), total.contiguous()
                 return
-        assert self.lse is not None
-        o0, l0 = self.out[:, :, row0:], self.lse[:, :, row0:]
-        total = torch.logaddexp(l0, lse)
-        self.out[:, :, row0:] = o0 * (l0 - total).exp() + out * (lse - total).exp()
-        self.lse[:, :, row0:] = total
+        assert self.max is not None and self.sum is not None
+        o0, m0, s0 = self.out[:, :, row0:], self.max[:, :, row0:], self.sum[:, :, row0:]
+        m = torch.maximum(m0, mx)
+        a0, a1 = (m0 - m).exp_(), (mx - m).exp_()
+        self.out[:, :, row0:] = o0 * a0 + out * a1
+        self.sum[:, :, row0:] = s0 * a0 + total * a1
+        self.max[:, :, row0:] = m
 
 
 class Transformer(nn.Module):
