@@ -250,9 +250,11 @@ class TiledAttention:
         o0, m0, s0 = self.out[:, :, row0:], self.max[:, :, row0:], self.sum[:, :, row0:]
         m = torch.maximum(m0, mx)
         a0, a1 = (m0 - m).exp_(), (mx - m).exp_()
-        self.out[:, :, row0:] = o0 * a0 + out * a1
-        self.sum[:, :, row0:] = s0 * a0 + total * a1
-        self.max[:, :, row0:] = m
+        o, s = o0 * a0 + out * a1, s0 * a0 + total * a1
+        if row0:
+            self.out[:, :, row0:], self.sum[:, :, row0:], self.max[:, :, row0:] = o, s, m
+        else:  # every row: the new tensors are the state (no copy back)
+            self.out, self.sum, self.max = o, s, m
 
 
 class Transformer(nn.Module):
