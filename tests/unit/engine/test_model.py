@@ -337,8 +337,40 @@ async def test_leaving_a_prefill_early_stops_it(engine):
     layers = run.__aiter__()
     assert (await anext(layers))[0] == 0
     await layers.aclose()  # the caller gives up after layer 0
-    assert run._task is not None
+    assert run.batch._task is not None
     with pytest.raises(asyncio.CancelledError):
-        await run._task
+        await run.batch._task
     assert run.logits is None
     await asyncio.wait_for(engine.prefill(x[:8]).collect(), timeout=30)
+
+
+@pytest.mark.parametrize("new", [1, 3, 20])
+def test_tiles_computed_together_have_the_bits_of_tiles_computed_alone(new, monkeypatch):
+    # the full tiles at hand are attended to in one call (in groups bounded by SCORE_FLOATS);
+    # a tile's partial must not depend on how many came with it, or the cut would show
+    from dualpath.engine import model as model_mod
+
+    g = torch.Generator().manual_seed(new)
+    hit = 600  # 9 full tiles of 64 and a partial one
+    q = torch.randn(new, 4, 16, generator=g)
+    k, v = torch.randn(new, 2, 16, generator=g), torch.randn(new, 2, 16, generator=g)
+    hk, hv = torch.randn(hit, 2, 16, generator=g), torch.randn(hit, 2, 16, generator=g)
+    want = _sdpa_reference(q, k, v, hk, hv, 0.25)
+    outs = []
+    for score_floats, cut in ((1 << 22, hit), (1 << 22, 64), (4 * new * 64 * 2, hit), (1, 37)):
+        monkeypatch.setattr(model_mod, "SCORE_FLOATS", score_floats)
+        acc = TiledAttention(q, 2, 0.25, tile=64)
+        acc.add_self(k, v)
+        for a in range(0, hit, cut):
+            acc.push(hk[a : a + cut], hv[a : a + cut])
+        acc.compute_ready(final=True)
+        outs.append(acc.result())
+    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=0)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_a_prefill_alone_is_a_batch_of_one(engine):
+    run = engine.prefill(toks(5))
+    assert run.batch.members == [run.member] and run.member.new_tokens == 5
+    with pytest.raises(ValueError, match="the prefill has no new tokens"):
+        engine.prefill([])

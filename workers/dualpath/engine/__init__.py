@@ -14,6 +14,11 @@ from dualpath import lazy
 _EXPORTS = {
     "BatchMember": "dualpath.engine.batch",
     "BatchPrefillRun": "dualpath.engine.batch",
+    "PrefillRun": "dualpath.engine.batch",
+    "load_checkpoint": "dualpath.engine.checkpoint",
+    "load_model": "dualpath.engine.checkpoint",
+    "save_checkpoint": "dualpath.engine.checkpoint",
+    "spec_from_checkpoint": "dualpath.engine.checkpoint",
     "CacheFullError": "dualpath.engine.decode",
     "PagedKVCache": "dualpath.engine.decode",
     "SamplingParams": "dualpath.engine.decode",
@@ -23,13 +28,9 @@ _EXPORTS = {
     "TiledAttention": "dualpath.engine.model",
     "Transformer": "dualpath.engine.model",
     "configure_threads": "dualpath.engine.model",
-    "load_checkpoint": "dualpath.engine.model",
-    "save_checkpoint": "dualpath.engine.model",
-    "spec_from_checkpoint": "dualpath.engine.model",
     "EmptySource": "dualpath.engine.prefill",
     "LayerSource": "dualpath.engine.prefill",
     "MemorySource": "dualpath.engine.prefill",
-    "PrefillRun": "dualpath.engine.prefill",
     "ThrottledSource": "dualpath.engine.prefill",
 }
 __all__ = sorted(_EXPORTS)

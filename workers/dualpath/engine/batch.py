@@ -1,16 +1,25 @@
-"""Batched layer-wise prefill: one forward over several requests (DESIGN section 4, intra-node).
+"""The layer-wise prefill forward, over one request (`PrefillRun`) or several
+(`BatchPrefillRun`, DESIGN section 4, intra-node batching): a request alone is a batch of one,
+so both run this one forward and its one per-request layer step (`BatchPrefillRun._pull`).
+
+The forward runs on the engine's compute thread as one job for as long as the hit KV is there
+(`_advance`): every piece already arrived is taken in the same job, and the job comes back to
+the loop only to wait for more (then for a whole tile's worth or the end of the layer). A trip
+through the loop costs a thread handoff (about half a millisecond on a VM), so in the
+compute-bound steady state a whole prefill is one job. While a run waits, the compute thread is
+free for other runs.
 
 The requests of a batch have their own hit and new lengths and their own hit KV source (a
 store read handle, a remote stream); their new tokens are packed into one matrix, so every
 projection and MLP of a layer is one matmul over all of them, while each request attends to its
-own KV (its own `TiledAttention`, tiles consumed as its source delivers them, exactly as
-`PrefillRun` does). A layer's MLP runs once every request's hit of that layer is in, so the batch
+own KV (its own `TiledAttention`, tiles consumed as its source delivers them). A layer's MLP runs once every request's hit of that layer is in, so the batch
 moves in lockstep and the compute thread waits for the member whose KV is late.
 
-Each request's KV and logits are bit-identical to running it alone (`PrefillRun`):
+Each request's KV and logits are bit-identical to running it alone (`PrefillRun`, the same
+forward over a batch of one):
 - row-wise steps (embedding, RMSNorm, rotary at the request's own positions) do not see the
   other rows;
-- attention is per request, in `PrefillRun`'s fixed merge order;
+- attention is per request, in one fixed merge order (self, then hit tiles in order);
 - a matmul row of the packed matrix equals the same row computed alone as long as the request has
   at least `MIN_PACK_ROWS` rows: with fewer, BLAS takes a small-M kernel (gemv for one row) that
   sums in another order. Requests that short run their matmuls on their own (a pack of one);
@@ -46,7 +55,7 @@ from dualpath.engine.prefill import (
     LayerKV,
     LayerSource,
     PrefillTimes,
-    _PumpedSource,
+    PumpedSource,
 )
 
 log = logging.getLogger(__name__)
@@ -342,7 +351,7 @@ class BatchPrefillRun:
         t_start = time.perf_counter()
         layers = self.model.spec.layers
         pumped = {
-            m.index: _PumpedSource(m.source, layers)
+            m.index: PumpedSource(m.source, layers)
             for m in self.members
             if not hasattr(m.source, "arrived")
         }
@@ -391,3 +400,41 @@ class BatchPrefillRun:
         finally:
             for p in pumped.values():
                 p.close()
+
+
+class PrefillRun:
+    """One request's prefill; iterate it for the new tokens' per-layer KV.
+
+    A batch of one: the same forward as a batch's, so a request's bits do not depend on
+    whether it ran alone or batched. `times` are this request's.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        executor: cf.Executor,
+        tokens: Sequence[int] | torch.Tensor,
+        hit_tokens: int,
+        source: LayerSource | None,
+        all_logits: bool = False,
+    ) -> None:
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        check_request("the prefill", tokens, hit_tokens, source)
+        self.batch = BatchPrefillRun(model, executor, [(tokens, hit_tokens, source)], all_logits)
+        self.member = self.batch.members[0]
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """(1 or new_tokens, vocab) fp32, once the run has ended."""
+        return self.member.logits
+
+    @property
+    def times(self) -> PrefillTimes:
+        return self.member.times
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return self.member.__aiter__()
+
+    async def collect(self) -> tuple[list[LayerKV], torch.Tensor]:
+        """Run to the end: the new tokens' per-layer KV and the logits."""
+        return await self.member.collect()

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from dualpath.config import ModelSpec
-from dualpath.engine.batch import BatchPrefillRun, BatchRequest
+from dualpath.engine.batch import BatchPrefillRun, BatchRequest, PrefillRun
+from dualpath.engine.checkpoint import load_model
 from dualpath.engine.decode import (
     PagedKVCache,
     SamplingParams,
@@ -31,7 +32,7 @@ from dualpath.engine.decode import (
     sample,
 )
 from dualpath.engine.model import Transformer, configure_threads
-from dualpath.engine.prefill import LayerKV, LayerSource, PrefillRun
+from dualpath.engine.prefill import LayerKV, LayerSource
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Engine:
     ) -> None:
         self.threads = configure_threads(threads)
         self.spec = spec
-        self.model = model or Transformer.load(spec)
+        self.model = model or load_model(spec)
         self.cache = PagedKVCache(self.model, kv_capacity_tokens, page_tokens or spec.block_tokens)
         self.executor = cf.ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
         self.sequences: dict[str, Sequence_] = {}

@@ -1,28 +1,23 @@
 """A decoder-only transformer (Llama / Qwen2 style): RMSNorm, rotary, GQA, SwiGLU.
 
-The model is split into per-layer pieces (`embed`, `layer_forward`, `head`) so the prefill can
-interleave layer `l`'s compute with the arrival of layer `l+1`'s hit KV, and the decode can run
-one batched step over paged KV. Weights are initialised deterministically from `ModelSpec.seed`
-or loaded from a local Llama/Qwen2-format checkpoint (config.json + *.safetensors).
+The model is split into per-layer pieces (`embed`, `qkv`, `self_attention`, `finish`, `head`)
+so the prefill can interleave layer `l`'s compute with the arrival of layer `l+1`'s hit KV, and
+the decode can run one batched step over paged KV. Weights are initialised deterministically
+from `ModelSpec.seed` here; checkpoint files are read and written by `engine/checkpoint.py`.
 
 K is cached after rotary (as in HF / vLLM), so a hit prefix's K is used as is.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dualpath.config import ModelSpec, RopeScaling
-
-log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -99,6 +94,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 ATTENTION_TILE_TOKENS = 128
+# floats in the widest vector step of torch's CPU kernels (AVX-512: 2 x 16); an exp over rows of a
+# multiple of this is computed the same way in every lane whatever the tensor's length
+VECTOR_FLOATS = 32
+SCORE_FLOATS = 1 << 22  # the scores of the tiles attended to in one call (16 MiB)
 
 
 class TiledAttention:
@@ -108,14 +107,20 @@ class TiledAttention:
     is still on the wire. The hit KV is then consumed in fixed tiles of `tile` tokens counted
     from the hit's first token, each as soon as it has arrived, and the result does not depend
     on how the source cut the layer into pieces (path P and path D give bit-identical outputs).
-    Each tile gives a partial output and its log-sum-exp; the partials are merged in one fixed
-    order (self, then hit tiles in order). The math runs in fp32 whatever the model dtype.
+    Each tile gives an unnormalised partial output, its row max and its row sum of exp (as in
+    FlashAttention); the partials are merged in one fixed order (self, then hit tiles in order)
+    and normalised once at the end. The math runs in fp32 whatever the model dtype.
 
         acc = TiledAttention(q, kv_heads, scale)
         acc.add_self(k_new, v_new)           # causal self-attention, before any hit
         acc.push(k0, v0); acc.push(k1, v1)   # any cut; full tiles are computed as they fill
         acc.compute_ready(final=True)        # the last, partial tile
         out = acc.result()                   # (n, heads * head_dim)
+
+    The full tiles that are here at once are computed together (one score matmul, one exp, one
+    value matmul over all of them: far fewer, larger operations); each tile's partial has the
+    same bits either way (each score and each output row is summed over head_dim or over the
+    tile alone, and the exp and the merges see the same layouts), which the tests check.
     """
 
     def __init__(
@@ -127,8 +132,10 @@ class TiledAttention:
         # head h reads kv head h // groups (HF repeat_kv): (kv_heads, groups, n, hd)
         self.q = q.float().permute(1, 0, 2).reshape(kv_heads, self.groups, n, hd)
         self.scale, self.tile = scale, tile
+        # the merged partials: unnormalised output, row max, row sum of exp
         self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
+        self.max: torch.Tensor | None = None
+        self.sum: torch.Tensor | None = None
         self.hit_tokens = 0  # pushed so far
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_tokens = 0
@@ -160,11 +167,22 @@ class TiledAttention:
             return
         ks, vs = zip(*self._pending, strict=True)
         k, v = (torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0])
-        end = k.shape[0] if final else k.shape[0] - k.shape[0] % self.tile
-        for a in range(0, end, self.tile):
-            self._merge(*self._partial(self.q, k[a : a + self.tile], v[a : a + self.tile]), 0)
-        rest = k.shape[0] - end
-        self._pending = [(k[end:], v[end:])] if rest else []
+        full = k.shape[0] - k.shape[0] % self.tile
+        # tiles together only where every row of a tile's exp is whole vectors (same bits), and
+        # only as many as keep the scores within SCORE_FLOATS
+        step = self.tile
+        if self.tile % VECTOR_FLOATS == 0:
+            step *= max(1, SCORE_FLOATS // (self.heads * self.n * self.tile))
+        for a in range(0, full, step):
+            b = min(a + step, full)
+            for part in self._partials(self.q, k[a:b], v[a:b], self.tile):
+                self._merge(*part, 0)
+        if final and full < k.shape[0]:
+            (part,) = self._partials(self.q, k[full:], v[full:], k.shape[0] - full)
+            self._merge(*part, 0)
+            full = k.shape[0]
+        rest = k.shape[0] - full
+        self._pending = [(k[full:], v[full:])] if rest else []
         self._pending_tokens = rest
 
     def add_self(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -176,37 +194,67 @@ class TiledAttention:
             b = min(a + self.tile, n)
             # only queries a.. see any key of this tile, and each sees key a at least (no NaN)
             mask = torch.arange(a, b)[None, :] <= torch.arange(a, n)[:, None]
-            self._merge(*self._partial(self.q[:, :, a:], k[a:b], v[a:b], mask), a)
+            (part,) = self._partials(self.q[:, :, a:], k[a:b], v[a:b], b - a, mask)
+            self._merge(*part, a)
 
     def result(self) -> torch.Tensor:
         """(n, heads * hd) fp32: the merged attention output."""
         assert self.out is not None and not self._pending_tokens, "add_self, compute_ready(True)"
-        return self.out.reshape(self.heads, self.n, self.hd).transpose(0, 1).reshape(self.n, -1)
+        assert self.sum is not None
+        out = self.out / self.sum
+        return out.reshape(self.heads, self.n, self.hd).transpose(0, 1).reshape(self.n, -1)
 
-    def _partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kt = k.float().permute(1, 2, 0)[:, None]  # (kv_heads, 1, hd, t)
-        s = torch.matmul(q, kt).mul_(self.scale)  # (kv_heads, groups, rows, t)
+    def _partials(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tile: int,
+        mask: torch.Tensor | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per tile of `tile` keys of k: (unnormalised output, row max, row sum of exp).
+
+        Every tile is its own matmul of one shape, whether it is computed alone or with
+        others (a batch of them in one call), with its operands in one layout, so its bits do
+        not depend on how many tiles came together.
+        """
+        kvh, groups, rows, hd = q.shape
+        tiles = k.shape[0] // tile
+        # a kv head's groups share its keys: one (groups * rows, hd) x (hd, tile) matmul per kv
+        # head and tile, not one per query head
+        q2 = q.reshape(kvh, 1, groups * rows, hd).expand(kvh, tiles, groups * rows, hd)
+        q2 = q2.reshape(kvh * tiles, groups * rows, hd)
+        kt, vt = (
+            x.float().view(tiles, tile, kvh, hd).permute(2, 0, 1, 3).reshape(-1, tile, hd)
+            for x in (k, v)
+        )
+        s = torch.bmm(q2, kt.contiguous().transpose(1, 2)).mul_(self.scale)
+        s5 = s.view(kvh, tiles, groups, rows, tile)
         if mask is not None:
-            s.masked_fill_(~mask, float("-inf"))
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        p = s.sub_(lse).exp_()
-        return torch.matmul(p, v.float().permute(1, 0, 2)[:, None]), lse
+            s5.masked_fill_(~mask, float("-inf"))
+        mx = s5.amax(-1, keepdim=True)
+        total = s5.sub_(mx).exp_().sum(-1, keepdim=True)
+        o = torch.bmm(s, vt.contiguous()).view(kvh, tiles, groups, rows, hd)
+        return [(o[:, j], mx[:, j], total[:, j]) for j in range(tiles)]
 
-    def _merge(self, out: torch.Tensor, lse: torch.Tensor, row0: int) -> None:
+    def _merge(self, out: torch.Tensor, mx: torch.Tensor, total: torch.Tensor, row0: int) -> None:
         if self.out is None:
-            if row0:  # rows before row0 saw no key yet: out 0, lse -inf
+            if row0:  # rows before row0 saw no key yet: out 0, max -inf, sum 0
                 self.out = self.q.new_zeros(self.q.shape)
-                self.lse = self.q.new_full((*self.q.shape[:3], 1), float("-inf"))
+                self.max = self.q.new_full((*self.q.shape[:3], 1), float("-inf"))
+                self.sum = self.q.new_zeros((*self.q.shape[:3], 1))
             else:
-                self.out, self.lse = out, lse
+                self.out, self.max, self.sum = out.contiguous(), mx.contiguous(), total.contiguous()
                 return
-        assert self.lse is not None
-        o0, l0 = self.out[:, :, row0:], self.lse[:, :, row0:]
-        total = torch.logaddexp(l0, lse)
-        self.out[:, :, row0:] = o0 * (l0 - total).exp() + out * (lse - total).exp()
-        self.lse[:, :, row0:] = total
+        assert self.max is not None and self.sum is not None
+        o0, m0, s0 = self.out[:, :, row0:], self.max[:, :, row0:], self.sum[:, :, row0:]
+        m = torch.maximum(m0, mx)
+        a0, a1 = (m0 - m).exp_(), (mx - m).exp_()
+        o, s = o0 * a0 + out * a1, s0 * a0 + total * a1
+        if row0:
+            self.out[:, :, row0:], self.sum[:, :, row0:], self.max[:, :, row0:] = o, s, m
+        else:  # every row: the new tensors are the state (no copy back)
+            self.out, self.sum, self.max = o, s, m
 
 
 class Transformer(nn.Module):
@@ -253,13 +301,6 @@ class Transformer(nn.Module):
                 else:  # fan-in scaled so activations and logits stay O(1) through the layers
                     p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
         return model.to(model.dtype)
-
-    @classmethod
-    def load(cls, spec: ModelSpec) -> Transformer:
-        """From `spec.checkpoint_path` when set, else seeded."""
-        if spec.checkpoint_path:
-            return load_checkpoint(spec.checkpoint_path, spec)
-        return cls.from_seed(spec)
 
     # ---- forward pieces ---------------------------------------------------------------------
 
@@ -342,167 +383,3 @@ class Transformer(nn.Module):
             h, k, v = self.prefill_layer(l, h, empty, empty, 0)
             kv.append((k, v))
         return self.head(h), kv
-
-
-# ---- Llama / Qwen2 checkpoints ----------------------------------------------------------------
-
-_HF_FIELDS = {
-    "num_hidden_layers": "layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "heads",
-    "num_key_value_heads": "kv_heads",
-    "head_dim": "head_dim",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
-    "rope_theta": "rope_theta",
-    "rms_norm_eps": "rms_norm_eps",
-}
-_HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def _rope_configs(cfg: dict) -> list[tuple[str, dict]]:
-    """transformers 5 writes `rope_parameters`; older configs `rope_scaling` (null: plain)."""
-    return [(f, cfg[f]) for f in ("rope_parameters", "rope_scaling") if cfg.get(f)]
-
-
-def _rope_scaling(cfg: dict) -> RopeScaling | None:
-    for _, rope in _rope_configs(cfg):
-        if rope.get("rope_type", rope.get("type")) == "llama3":
-            keys = RopeScaling.model_fields.keys() - {"type"}
-            return RopeScaling(**{k: rope[k] for k in keys if k in rope})
-    return None
-
-
-def _refuse_what_the_engine_cannot_run(path: str | Path, cfg: dict) -> None:
-    """A checkpoint whose config asks for math the engine does not do would load and then
-    give wrong outputs without a word: name the field instead."""
-    problems = []
-    for field, rope in _rope_configs(cfg):
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            problems.append(f"{field} of type {kind!r} (plain RoPE or llama3 only)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu, SwiGLU)")
-    if cfg.get("use_sliding_window"):
-        problems.append("use_sliding_window (only full attention)")
-    if cfg.get("mlp_bias"):
-        problems.append("mlp_bias (the MLP has no bias)")
-    if problems:
-        raise ValueError(
-            f"model.checkpointPath {path}: config.json asks for {'; '.join(problems)}; "
-            "the engine runs Llama/Qwen2-style decoders without these"
-        )
-
-
-def spec_from_checkpoint(path: str | Path, **overrides: object) -> ModelSpec:
-    """A ModelSpec with the dims of a checkpoint's config.json (overrides win)."""
-    return _spec_from_config(path, _read_config(path), **overrides)
-
-
-def _read_config(path: str | Path) -> dict:
-    """The checkpoint's config.json, refused if it asks for math the engine does not do."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    _refuse_what_the_engine_cannot_run(path, cfg)
-    return cfg
-
-
-def _spec_from_config(path: str | Path, cfg: dict, **overrides: object) -> ModelSpec:
-    dims: dict[str, object] = {"preset": None, "checkpoint_path": str(path)}
-    for hf, ours in _HF_FIELDS.items():
-        if hf in cfg and cfg[hf] is not None:
-            dims[ours] = cfg[hf]
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")  # where transformers 5 puts it
-    if theta is not None:
-        dims["rope_theta"] = theta
-    dims["rope_scaling"] = _rope_scaling(cfg)
-    dims.setdefault("kv_heads", cfg.get("num_attention_heads"))
-    if "head_dim" not in dims:
-        dims["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype")  # transformers 5 renamed the field
-    if dtype in _HF_DTYPES:
-        dims["dtype"] = _HF_DTYPES[dtype]
-    dims["name"] = cfg.get("_name_or_path") or Path(path).name
-    dims.update(overrides)
-    return ModelSpec(**dims)
-
-
-def load_checkpoint(path: str | Path, spec: ModelSpec | None = None) -> Transformer:
-    """Load a Llama/Qwen2-format checkpoint directory (config.json + *.safetensors)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.checkpointPath {path}: no config.json there")
-    cfg = _read_config(path)
-    spec = spec or _spec_from_config(path, cfg)
-    qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
-    tie = bool(cfg.get("tie_word_embeddings", False))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model.checkpointPath {path}: no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    model = Transformer(spec, qkv_bias=qkv_bias, tie_embeddings=tie)
-    ours = {}
-    for key, t in state.items():
-        name = key.removeprefix("model.")
-        name = name.replace("self_attn.", "").replace("mlp.", "")
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        ours[name] = t
-    if tie:
-        ours.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(ours, strict=False)
-    missing = [m for m in missing if not (tie and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match a Llama/Qwen2 model of config.json: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    log.info("loaded checkpoint %s (%d layers, %d tensors)", path, spec.layers, len(state))
-    return model.to(model.dtype)
-
-
-def save_checkpoint(model: Transformer, path: str | Path) -> None:
-    """Write `model` as a Llama-format checkpoint (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    s = model.spec
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": s.layers,
-        "hidden_size": s.hidden_size,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "intermediate_size": s.intermediate_size or 4 * s.hidden_size,
-        "vocab_size": s.vocab_size,
-        "rope_theta": s.rope_theta,
-        "rope_scaling": None
-        if s.rope_scaling is None
-        else {"rope_type": "llama3", **s.rope_scaling.model_dump(exclude={"type"})},
-        "rms_norm_eps": s.rms_norm_eps,
-        "torch_dtype": s.dtype,
-        "tie_word_embeddings": model.tie_embeddings,
-        "attention_bias": model.layers[0].q_proj.bias is not None,
-    }
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {}
-    for name, t in model.state_dict().items():
-        if model.tie_embeddings and name == "lm_head.weight":
-            continue
-        if name.startswith("layers."):
-            parts = name.split(".")
-            sub = (
-                "self_attn."
-                if parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj")
-                else ("mlp." if parts[2] in ("gate_proj", "up_proj", "down_proj") else "")
-            )
-            name = ".".join(parts[:2] + [sub + ".".join(parts[2:])])
-        hf = name if name.startswith("lm_head") else f"model.{name}"
-        state[hf] = t.contiguous()
-    save_file(state, str(path / "model.safetensors"))
