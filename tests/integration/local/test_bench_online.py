@@ -1,5 +1,6 @@
 """`dualpath bench local --online` at a tiny size: Poisson arrivals, a two-rate sweep per
-policy, the SLA, the sustained rates and the plot; and its pure parts."""
+policy and an auto sweep, the SLA, the sustained rates and the plot; the sweep's pure parts
+are in tests/unit/local/test_online.py."""
 
 from __future__ import annotations
 
@@ -30,26 +31,6 @@ def test_point_and_sustained_rate() -> None:
     assert online.sustained_rate([ok, slow], sla_s=1.0) == 1.0
     assert online.sustained_rate([p, slow], sla_s=1.0) == 0.0  # a failed turn does not count
     assert online.sustained_rate([ok, slow], sla_s=10.0) == 2.0
-
-
-def test_trajectories_arrive_as_a_poisson_process_with_fresh_ids() -> None:
-    args = argparse.Namespace(
-        agents=200,
-        context=4096,
-        turns=3,
-        append_tokens=8,
-        gen_tokens=2,
-        first_tokens=64,
-        seed=0,
-        think_s=1.5,
-    )
-    a, b = online._trajectories(args, 4.0, 0), online._trajectories(args, 4.0, 1)
-    starts = [t.start_s for t in a]
-    assert starts == sorted(starts) and starts[0] > 0
-    assert 200 / starts[-1] == pytest.approx(4.0, rel=0.2)  # mean gap 1/rate
-    assert not {t.agent_id for t in a} & {t.agent_id for t in b}
-    thinks = [turn.think_s for t in a for turn in t.turns[1:]]
-    assert sum(thinks) / len(thinks) == pytest.approx(1.5, rel=0.2)
 
 
 @pytest.mark.slow
