@@ -25,7 +25,7 @@ def test_point_and_sustained_rate() -> None:
     assert (p.turns, p.failed, p.agents) == (10, 1, 3)
     assert p.ttft_p50_s == pytest.approx(0.5) and p.ttft_p90_s == pytest.approx(0.9)
     assert p.tpot_p50_s == pytest.approx(0.1)  # 0.3 s over the 3 tokens after the first
-    assert p.tokens_per_s == pytest.approx(10 * 104 / 10.0)
+    assert p.tokens_per_s == pytest.approx(10 * 104 / 10.0) and p.turns_per_s == 1.0
     ok = online.point(1.0, 3, turns, 10.0)
     slow = online.point(2.0, 3, [_turn(5, 6, 2)] * 3, 10.0)
     assert online.sustained_rate([ok, slow], sla_s=1.0) == 1.0
@@ -33,8 +33,7 @@ def test_point_and_sustained_rate() -> None:
     assert online.sustained_rate([ok, slow], sla_s=10.0) == 2.0
 
 
-@pytest.mark.slow
-def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys) -> None:
+def _run(tmp_path: Path, capsys, *extra: str) -> dict:
     cfg = with_overrides(
         local_default(),
         **{
@@ -49,18 +48,46 @@ def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys) -> None
     bench.add_arguments(parser)
     args = parser.parse_args(
         ["-f", str(cfg_file), "--out", str(tmp_path / "out"), "--json", "--online"]
-        + ["--rates", "1,4", "--agents", "3", "--turns", "2", "--think-s", "0.1"]
+        + ["--agents", "3", "--turns", "2", "--think-s", "0.1"]
         + ["--first-tokens", "96", "--append-tokens", "8", "--gen-tokens", "3"]
-        + ["--snic-gbps", "1", "--plot", str(tmp_path / "p.png")]
+        + ["--plot", str(tmp_path / "p.png"), *extra]
     )
     assert bench.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["sla_s"] > 0 and set(doc["sustained_rate_per_s"]) == {"prefill-read", "dualpath"}
+    assert set(doc["unloaded_ttft_p50_s"]) == {"prefill-read", "dualpath"}
+    assert doc["sla_s"] == pytest.approx(4.0 * doc["unloaded_ttft_p50_s"]["prefill-read"], 1e-3)
     for policy in ("prefill-read", "dualpath"):
         pts = doc["policies"][policy]
-        assert [p["rate_per_s"] for p in pts] == [1.0, 4.0]
         assert all(p["failed"] == 0 and p["turns"] == 3 * 2 for p in pts)
         assert all(0 < p["ttft_p50_s"] <= p["ttft_p90_s"] <= p["ttft_p99_s"] for p in pts)
+        assert all(p["met_sla"] == (p["ttft_p90_s"] <= doc["sla_s"]) for p in pts)
+        met = max((p["rate_per_s"] for p in pts if p["met_sla"]), default=None)
+        assert doc["bracket"][policy]["met"] == met == (doc["sustained_rate_per_s"][policy] or None)
     assert (tmp_path / "p.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "online.json").read_text())["sla_s"] == doc["sla_s"]
     assert (tmp_path / "out" / "seed-kv" / "blocks").is_dir()  # agents arrive with stored context
+    return doc
+
+
+@pytest.mark.slow
+def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys) -> None:
+    doc = _run(tmp_path, capsys, "--rates", "1,4", "--snic-gbps", "1")
+    for policy in ("prefill-read", "dualpath"):
+        assert [p["rate_per_s"] for p in doc["policies"][policy]] == [1.0, 4.0]
+
+
+@pytest.mark.slow
+def test_bench_local_online_auto_rates_start_from_each_policys_capacity(
+    tmp_path: Path, capsys
+) -> None:
+    doc = _run(tmp_path, capsys, "--max-points", "2")  # --rates auto, --snic-gbps auto
+    cap = doc["predicted_capacity"]
+    assert cap["dualpath"]["readers"] == 3 and cap["prefill-read"]["readers"] == 1
+    for policy in ("prefill-read", "dualpath"):
+        first, second = doc["policies"][policy]
+        assert first["rate_per_s"] == pytest.approx(
+            online.START_LOAD * cap[policy]["agents_per_s"], rel=1e-3
+        )
+        step = online.STEP if first["met_sla"] else 1 / online.STEP
+        assert second["rate_per_s"] == pytest.approx(first["rate_per_s"] * step, rel=1e-3)

@@ -9,7 +9,7 @@ from dualpath.local import bench, online
 
 
 def _pt(rate: float, p90: float, failed: int = 0) -> online.RatePoint:
-    return online.RatePoint(rate, 10, 30 - failed, failed, 1.0, 1.0, p90 / 2, p90, p90, 0.1)
+    return online.RatePoint(rate, 10, 30 - failed, failed, 1.0, 1.0, 30.0, p90 / 2, p90, p90, 0.1)
 
 
 def _sweep(knee: float, start: float, **kw) -> list[float]:

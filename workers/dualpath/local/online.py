@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 # --agents (per rate point) and --turns when not given in online mode: enough agents in flight
 # to overload the cluster at its knee, few turns each (a point's time is its turns / the rate)
 ONLINE_SIZE = {"agents": 16, "turns": 3}
-START_LOAD = 0.8  # --rates auto: the first point, a fraction of the policy's predicted capacity
-STEP = 1.25  # --rates auto: up after a met point, down after a missed one, until a bracket
+START_LOAD = 1.0  # --rates auto: the first point, a multiple of the policy's predicted capacity
+STEP = 1.5  # --rates auto: up after a met point, down after a missed one, until a bracket
 UNLOADED_SESSIONS = 3  # sessions run one at a time for the unloaded TTFT
 
 
@@ -93,12 +93,14 @@ class RatePoint:
     failed: int
     elapsed_s: float
     tokens_per_s: float
+    turns_per_s: float  # answered turns over the point's wall time
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
     tpot_p50_s: float
     refused: int = 0  # failed turns the cluster refused as overloaded (HTTP 429)
     met_sla: bool | None = None
+    load: float | None = None  # the rate over the policy's predicted capacity (agents/s)
 
 
 @dataclass
@@ -136,6 +138,7 @@ def point(rate: float, agents: int, results: list[bench.TurnResult], elapsed_s: 
         failed=len(results) - len(ok),
         elapsed_s=round(elapsed_s, 3),
         tokens_per_s=round(tokens / elapsed_s, 1) if elapsed_s > 0 else 0.0,
+        turns_per_s=round(len(ok) / elapsed_s, 3) if elapsed_s > 0 else 0.0,
         ttft_p50_s=round(bench._pct(ttft, 0.5), 4),
         ttft_p90_s=round(bench._pct(ttft, 0.9), 4),
         ttft_p99_s=round(bench._pct(ttft, 0.99), 4),
@@ -282,12 +285,12 @@ def sweep(
     sink,
     seed: Path | None,
     rates: list[float] | None,
-    start: float,
+    cap: Capacity,
     sla_s: float | None,
 ) -> tuple[float, float, list[RatePoint]]:
     """One policy's cluster: its unloaded TTFT, the SLA (given, or this policy's unloaded TTFT x
-    --sla-factor), then the rate points (`rates`, or auto from `start`). Returns (unloaded
-    TTFT p50, SLA, points in the order run)."""
+    --sla-factor), then the rate points (`rates`, or auto from START_LOAD x `cap`). Returns
+    (unloaded TTFT p50, SLA, points in the order run)."""
     from dualpath.local.cluster import LocalCluster
 
     pcfg = bench.policy_config(cfg, policy, seed)
@@ -304,6 +307,7 @@ def sweep(
             if rates is not None:
                 rate = rates[len(out)] if len(out) < len(rates) else None
             else:
+                start = START_LOAD * cap.agents_per_s
                 rate = next_rate(tried, start, STEP, args.resolution, args.max_points)
             if rate is None:
                 break
@@ -313,11 +317,12 @@ def sweep(
             results = asyncio.run(_arrive(frontend, pcfg, trs, args))
             p = point(rate, len(trs), results, time.perf_counter() - t0)
             p.met_sla = meets(p, sla)
+            p.load = round(rate / cap.agents_per_s, 3)
             tried.append((rate, p.met_sla))
             log.info("online %s rate %.4g/s: %s", policy, rate, p)
             if not args.json:
                 print(
-                    f"{policy:<13} rate {rate:7.4g}/s  TTFT p50 {p.ttft_p50_s:7.3f}s "
+                    f"{policy:<13} rate {rate:7.4g}/s ({p.load:.2f}x capacity)  TTFT p50 {p.ttft_p50_s:7.3f}s "
                     f"p90 {p.ttft_p90_s:7.3f}s (SLA {sla:.2f}s {'met' if p.met_sla else 'MISSED'})"
                     f"  TPOT {p.tpot_p50_s:6.3f}s  {p.tokens_per_s:7.1f} tok/s  "
                     f"failed {p.failed}  {p.elapsed_s:6.1f}s",
@@ -413,9 +418,8 @@ def run(args: argparse.Namespace) -> int:
             else None
         )
         for policy in policies:
-            start = START_LOAD * caps[policy].agents_per_s
             unloaded[policy], sla, sweeps[policy] = sweep(
-                cfg, policy, base, args, sink, seed, rates, start, sla
+                cfg, policy, base, args, sink, seed, rates, caps[policy], sla
             )
     assert sla is not None
     sustained = {p: sustained_rate(pts, sla) for p, pts in sweeps.items()}
