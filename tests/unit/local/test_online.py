@@ -73,9 +73,9 @@ def test_ratio_bounds_come_from_both_brackets() -> None:
     assert online.ratio_bounds((None, 1.0), (3.0, None)) == (3.0, None)
 
 
-def test_arrivals_replay_the_same_sessions_at_every_rate_under_fresh_ids() -> None:
+def test_arrivals_fill_the_point_window_at_the_rate_cycling_through_the_sessions() -> None:
     args = argparse.Namespace(
-        agents=200,
+        agents=8,
         context=4096,
         turns=3,
         append_tokens=8,
@@ -85,20 +85,22 @@ def test_arrivals_replay_the_same_sessions_at_every_rate_under_fresh_ids() -> No
         think_s=1.5,
     )
     base = online.sessions(args)
-    a, b = online.arrivals(base, 4.0, 0, seed=0), online.arrivals(base, 8.0, 1, seed=0)
+    a = online.arrivals(base, 4.0, 0, seed=0, point_s=50.0)
+    b = online.arrivals(base, 8.0, 1, seed=0, point_s=50.0)
+    assert (len(a), len(b)) == (200, 400)  # rate x window
     starts = [t.start_s for t in a]
     assert starts == sorted(starts) and starts[0] > 0
     assert starts[-1] == pytest.approx(200 / 4.0)  # the nominal rate, exactly
-    gaps = [b - a for a, b in zip([0.0] + starts, starts, strict=False)]
+    gaps = [y - x for x, y in zip([0.0, *starts], starts, strict=False)]
     assert sum(g > 2 / 4.0 for g in gaps) / 200 == pytest.approx(0.135, abs=0.06)  # exponential
-    # the same draw at another rate: only the time scale differs
-    assert [t.start_s for t in b] == pytest.approx([s / 2 for s in starts], abs=1e-5)
-    assert [t.turns for t in a] == [t.turns for t in b] == [t.turns for t in base]
-    assert not {t.agent_id for t in a} & {t.agent_id for t in b}
-    # every point agent starts from its session's stored context
-    assert set(online._context_of(a).values()) == {t.agent_id for t in base}
-    thinks = [turn.think_s for t in a for turn in t.turns[1:]]
-    assert sum(thinks) / len(thinks) == pytest.approx(1.5, rel=0.2)
+    # agent i runs session i mod 8, from its stored context, under an id of its own
+    assert [t.turns for t in a[:16]] == [t.turns for t in base] * 2
+    ctx = online._context_of(a)
+    assert [ctx[t.agent_id] for t in a[:9]] == [t.agent_id for t in base] + ["a0"]
+    assert len({t.agent_id for t in a + b}) == 600
+    assert online.arrivals(base, 0.001, 2, seed=0, point_s=50.0)[0].start_s == 1000.0  # >= 1
+    thinks = [turn.think_s for t in base for turn in t.turns[1:]]
+    assert all(x > 0 for x in thinks)
 
 
 def test_rates_flag_takes_auto_or_a_list_and_sizes_default_per_mode() -> None:

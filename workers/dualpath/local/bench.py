@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --snic-gbps auto: a turn's hit read time over its prefill compute time",
     )
     parser.add_argument(
-        "--agents", type=int, default=None, help="agents (default 12; --online: per rate, 16)"
+        "--agents", type=int, default=None, help="agents (default 12; --online: sessions stored, 8)"
     )
     parser.add_argument(
         "--turns", type=int, default=None, help="max turns per agent (default 10; --online: 3)"

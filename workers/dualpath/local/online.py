@@ -54,9 +54,10 @@ from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
-# --agents (per rate point) and --turns when not given in online mode: enough agents in flight
-# to overload the cluster at its knee, few turns each (a point's time is its turns / the rate)
-ONLINE_SIZE = {"agents": 16, "turns": 3}
+# --agents (the sessions whose contexts are stored, which a point's agents run in turn) and
+# --turns when not given in online mode
+ONLINE_SIZE = {"agents": 8, "turns": 3}
+MAX_POINT_AGENTS = 2000
 START_LOAD = 1.0  # --rates auto: the first point, a multiple of the policy's predicted capacity
 STEP = 1.5  # --rates auto: up after a met point, down after a missed one, until a bracket
 UNLOADED_SESSIONS = 3  # sessions run one at a time for the unloaded TTFT
@@ -72,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bracket its knee around its capacity predicted from the calibrated read and prefill",
     )
     g.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns")
+    g.add_argument(
+        "--point-s",
+        type=float,
+        default=50.0,
+        help="each rate point's arrival window: rate x this many agents arrive (Poisson)",
+    )
     g.add_argument("--sla-s", type=float, default=0.0, help="TTFT p90 SLA (0: scaled)")
     g.add_argument("--sla-factor", type=float, default=4.0, help="SLA = this x unloaded TTFT")
     g.add_argument(
@@ -220,24 +227,31 @@ def sessions(args: argparse.Namespace) -> list[Trajectory]:
     return generate(spec)
 
 
-def arrivals(base: list[Trajectory], rate: float, k: int, seed: int) -> list[Trajectory]:
-    """Point `k`'s agents: `base`'s sessions under fresh ids (`r{k}-a{i}`) arriving as a Poisson
-    process of `rate`. The gaps are one seeded draw of exponentials, normalised to mean 1/rate
-    exactly (the last agent arrives at agents/rate: a point offers its nominal rate, not the
-    draw's), so points differ only in their time scale (pure)."""
+def arrivals(
+    base: list[Trajectory], rate: float, k: int, seed: int, point_s: float
+) -> list[Trajectory]:
+    """Point `k`'s agents: round(rate x point_s) agents (at least 1, at most MAX_POINT_AGENTS)
+    arriving as a Poisson process of `rate`, agent i running session i mod len(base) under a
+    fresh id (`r{k}-{i}-a{j}`). The gaps are the first of one seeded stream of exponentials,
+    normalised to mean 1/rate exactly (the last agent arrives at agents/rate: a point offers its
+    nominal rate, not the draw's); every point and policy sees the same stream (pure)."""
+    n = min(MAX_POINT_AGENTS, max(1, round(rate * point_s)))
     rng = random.Random(f"{seed}:arrivals")
-    gaps = [rng.expovariate(1.0) for _ in base]
-    scale = len(base) / (sum(gaps) * rate) if base else 0.0
+    gaps = [rng.expovariate(1.0) for _ in range(n)]
+    scale = n / (sum(gaps) * rate)
     t, out = 0.0, []
-    for tr, gap in zip(base, gaps, strict=True):
+    for i, gap in enumerate(gaps):
         t += gap * scale
-        out.append(replace(tr, agent_id=f"r{k}-{tr.agent_id}", start_s=round(t, 6)))
+        tr = base[i % len(base)]
+        out.append(replace(tr, agent_id=f"r{k}-{i}-{tr.agent_id}", start_s=round(t, 6)))
     return out
 
 
 def _context_of(trs: list[Trajectory]) -> dict[str, str]:
-    """Each point agent starts from its session's stored context (the seed agent's first tokens)."""
-    return {t.agent_id: t.agent_id.split("-", 1)[1] for t in trs}
+    """Each point agent starts from its session's stored context (the seed agent's first
+    tokens): agents of one point that run the same session read the same stored blocks, each
+    read on its own (no worker caches block data), and append their own tokens."""
+    return {t.agent_id: t.agent_id.rsplit("-", 1)[1] for t in trs}
 
 
 async def _arrive(
@@ -312,7 +326,7 @@ def sweep(
             if rate is None:
                 break
             rate = round(rate, 4)
-            trs = arrivals(base, rate, len(out), args.seed)
+            trs = arrivals(base, rate, len(out), args.seed, args.point_s)
             t0 = time.perf_counter()
             results = asyncio.run(_arrive(frontend, pcfg, trs, args))
             p = point(rate, len(trs), results, time.perf_counter() - t0)
@@ -379,8 +393,8 @@ def run(args: argparse.Namespace) -> int:
     t_start, load_start = time.perf_counter(), os.getloadavg()
     try:
         rates = _parse_rates(args.rates)
-        if args.max_points < 2 or not args.resolution > 1:
-            raise ValueError("--max-points must be >= 2 and --resolution > 1")
+        if args.max_points < 2 or not args.resolution > 1 or not args.point_s > 0:
+            raise ValueError("--max-points must be >= 2, --resolution > 1, --point-s > 0")
         base = sessions(args)
         # every turn of a point is timed (its first turn hits the stored context): calibrate on all
         cal_args = argparse.Namespace(**{**vars(args), "warmup_turns": 0})
@@ -447,7 +461,8 @@ def run(args: argparse.Namespace) -> int:
             "snic_gbps": cfg.spec.storage.snic_gbps,
             "snic_calibration": asdict(calibration),
             "model": cfg.spec.model.name,
-            "agents_per_rate": args.agents,
+            "sessions": args.agents,
+            "point_s": args.point_s,
             "turns": args.turns,
             "think_s": args.think_s,
             "rates": args.rates,
