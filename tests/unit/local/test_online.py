@@ -112,7 +112,11 @@ def test_rates_flag_takes_auto_or_a_list_and_sizes_default_per_mode() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--online"])
-    assert (args.rates, args.agents, args.turns) == ("auto", None, None)
+    assert (args.rates, args.agents, args.turns, args.point_s) == ("auto", None, None, "auto")
+    assert parser.parse_args(["--point-s", "30"]).point_s == 30.0
+    for bad in ("0", "-1", "long"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--point-s", bad])
 
 
 def test_replay_starts_an_agent_from_another_agents_context() -> None:

@@ -58,6 +58,22 @@ log = logging.getLogger(__name__)
 # --turns when not given in online mode
 ONLINE_SIZE = {"agents": 8, "turns": 3}
 MAX_POINT_AGENTS = 2000
+# --point-s auto: the window that brings this many turns at the baseline's predicted capacity
+POINT_TURNS = 40
+
+
+def _point_s(value: str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or seconds, got {value!r}") from None
+    if not s > 0:
+        raise argparse.ArgumentTypeError(f"--point-s must be > 0, got {value!r}")
+    return s
+
+
 START_LOAD = 1.0  # --rates auto: the first point, a multiple of the policy's predicted capacity
 STEP = 1.5  # --rates auto: up after a met point, down after a missed one, until a bracket
 UNLOADED_SESSIONS = 3  # sessions run one at a time for the unloaded TTFT
@@ -75,9 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns")
     g.add_argument(
         "--point-s",
-        type=float,
-        default=50.0,
-        help="each rate point's arrival window: rate x this many agents arrive (Poisson)",
+        type=_point_s,
+        default="auto",
+        help="each rate point's arrival window in s (rate x this many agents arrive), the same "
+        f"for every point and policy; 'auto': {POINT_TURNS} turns at the first policy's "
+        "predicted capacity",
     )
     g.add_argument("--sla-s", type=float, default=0.0, help="TTFT p90 SLA (0: scaled)")
     g.add_argument("--sla-factor", type=float, default=4.0, help="SLA = this x unloaded TTFT")
@@ -393,8 +411,8 @@ def run(args: argparse.Namespace) -> int:
     t_start, load_start = time.perf_counter(), os.getloadavg()
     try:
         rates = _parse_rates(args.rates)
-        if args.max_points < 2 or not args.resolution > 1 or not args.point_s > 0:
-            raise ValueError("--max-points must be >= 2, --resolution > 1, --point-s > 0")
+        if args.max_points < 2 or not args.resolution > 1:
+            raise ValueError("--max-points must be >= 2 and --resolution > 1")
         base = sessions(args)
         # every turn of a point is timed (its first turn hits the stored context): calibrate on all
         cal_args = argparse.Namespace(**{**vars(args), "warmup_turns": 0})
@@ -418,6 +436,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for p in policies
     }
+    if args.point_s == "auto":  # the same window for every point and policy
+        args.point_s = round(POINT_TURNS / caps[policies[0]].turns_per_s, 1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sweeps: dict[str, list[RatePoint]] = {}
     unloaded: dict[str, float] = {}
