@@ -1,14 +1,16 @@
 """`dualpath bench local --online`: agents arrive as a Poisson process; a rate sweep per policy.
 
-The paper's online figure: the agent arrival rate a cluster sustains under a TTFT SLA. Every
-rate point replays the same `--agents` sessions (`--turns` turns each, exponential think times
-of mean `--think-s`), arriving as a Poisson process of that rate; only the rate differs (one
-draw of exponential gaps, divided by the rate), and both policies see the same arrivals. Agents
-arrive with their context stored, as the paper's do (98.7% hits): each session's first
-`--warmup-turns` turns run once, cold, on a seeding cluster, and each policy's cluster starts
-from a copy of that store. A point's agents are fresh ids that start from those stored contexts
-(`bench.replay(context_of=...)`) with their own appended tokens, so no point hits what another
-wrote; every turn of a point is timed.
+The paper's online figure: the agent arrival rate a cluster sustains under a TTFT SLA. A rate
+point is `--point-s` seconds of Poisson arrivals at its rate (the same window for every point and
+policy): rate x window agents, agent i running session i mod `--agents` (`--turns` turns each,
+exponential think times of mean `--think-s`) under an id of its own. Sessions arrive with their
+context stored, as the paper's do (98.7% hits): each session's first `--warmup-turns` turns run
+once, cold, on a seeding cluster, and each policy's cluster starts from a copy of that store; a
+point agent starts from its session's stored context (`bench.replay(context_of=...)`) with its
+own appended tokens, so no agent hits what another wrote; every turn of a point is timed. A
+fixed window, not a fixed number of agents: above capacity a point then builds the same backlog
+time under either policy (a fixed count arrives 3x faster at dualpath's rates and its three
+SNICs drain the backlog 3x faster: an overloaded point would still meet the SLA).
 
 A point's figures: TTFT p50/p90/p99 and TPOT p50 over its turns, tokens/s over its wall time
 (first arrival to last answer). A point meets the SLA when its TTFT p90 is within it and no turn
