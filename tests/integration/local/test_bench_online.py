@@ -16,13 +16,15 @@ from dualpath.local.cluster import with_overrides
 
 
 def _turn(ttft: float, latency: float, gen: int, ok: bool = True) -> bench.TurnResult:
-    return bench.TurnResult("a", 0, 100, list(range(gen)), 0, "prefill", ttft, latency, ok)
+    err = "" if ok else "x"
+    return bench.TurnResult("a", 0, 100, list(range(gen)), 0, "prefill", ttft, latency, ok, err)
 
 
 def test_point_and_sustained_rate() -> None:
     turns = [_turn(0.1 * i, 0.1 * i + 0.3, 4) for i in range(1, 11)]
     p = online.point(0.5, 3, turns + [_turn(9, 9, 0, ok=False)], elapsed_s=10.0)
     assert (p.turns, p.failed, p.agents) == (10, 1, 3)
+    assert p.errors == {"x": 1} and p.refused == 0
     assert p.ttft_p50_s == pytest.approx(0.5) and p.ttft_p90_s == pytest.approx(0.9)
     assert p.tpot_p50_s == pytest.approx(0.1)  # 0.3 s over the 3 tokens after the first
     assert p.tokens_per_s == pytest.approx(10 * 104 / 10.0) and p.turns_per_s == 1.0

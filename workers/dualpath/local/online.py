@@ -43,7 +43,8 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,7 @@ class RatePoint:
     refused: int = 0  # failed turns the cluster refused as overloaded (HTTP 429)
     met_sla: bool | None = None
     load: float | None = None  # the rate over the policy's predicted capacity (agents/s)
+    errors: dict[str, int] = field(default_factory=dict)  # failed turns by error (80 chars)
 
 
 @dataclass
@@ -171,6 +173,7 @@ def point(rate: float, agents: int, results: list[bench.TurnResult], elapsed_s: 
         ttft_p99_s=round(bench._pct(ttft, 0.99), 4),
         tpot_p50_s=round(bench._pct(tpot, 0.5), 4),
         refused=sum(1 for r in results if not r.ok and r.error.startswith("HTTP 429")),
+        errors=dict(Counter(r.error[:80] for r in results if not r.ok)),
     )
 
 
@@ -359,7 +362,7 @@ def sweep(
                     f"{policy:<13} rate {rate:7.4g}/s ({p.load:.2f}x capacity)  TTFT p50 {p.ttft_p50_s:7.3f}s "
                     f"p90 {p.ttft_p90_s:7.3f}s (SLA {sla:.2f}s {'met' if p.met_sla else 'MISSED'})"
                     f"  TPOT {p.tpot_p50_s:6.3f}s  {p.tokens_per_s:7.1f} tok/s  "
-                    f"failed {p.failed}  {p.elapsed_s:6.1f}s",
+                    f"failed {p.failed} (refused {p.refused})  {p.elapsed_s:6.1f}s",
                     file=sys.stderr,
                 )
             out.append(p)
