@@ -77,7 +77,7 @@ def _point_s(value: str) -> float | str:
     return s
 
 
-START_LOAD = 1.0  # --rates auto: the first point, a multiple of the policy's predicted capacity
+START_LOAD = 0.75  # --rates auto: the first point, a fraction of the policy's predicted capacity
 STEP = 1.5  # --rates auto: up after a met point, down after a missed one, until a bracket
 UNLOADED_SESSIONS = 3  # sessions run one at a time for the unloaded TTFT
 
