@@ -1,6 +1,6 @@
-"""`dualpath bench local --online` at a tiny size: Poisson arrivals, a two-rate sweep per
-policy and an auto sweep, the SLA, the sustained rates and the plot; the sweep's pure parts
-are in tests/unit/local/test_online.py."""
+"""`dualpath bench local --online` at a tiny size: Poisson arrivals, a two-point auto sweep per
+policy from its predicted capacity, the SLA, the brackets and the plot; the sweep's pure parts
+(and --rates lists) are in tests/unit/local/test_online.py."""
 
 from __future__ import annotations
 
@@ -70,14 +70,6 @@ def _run(tmp_path: Path, capsys, *extra: str) -> dict:
     assert json.loads((tmp_path / "out" / "online.json").read_text())["sla_s"] == doc["sla_s"]
     assert (tmp_path / "out" / "seed-kv" / "blocks").is_dir()  # agents arrive with stored context
     return doc
-
-
-@pytest.mark.slow
-def test_bench_local_online_sweeps_both_policies(tmp_path: Path, capsys) -> None:
-    doc = _run(tmp_path, capsys, "--rates", "1,4", "--snic-gbps", "1")
-    for policy in ("prefill-read", "dualpath"):
-        pts = doc["policies"][policy]
-        assert [(p["rate_per_s"], p["agents"]) for p in pts] == [(1.0, 1), (4.0, 3)]
 
 
 @pytest.mark.slow
