@@ -359,9 +359,10 @@ def sweep(
             log.info("online %s rate %.4g/s: %s", policy, rate, p)
             if not args.json:
                 print(
-                    f"{policy:<13} rate {rate:7.4g}/s ({p.load:.2f}x capacity)  TTFT p50 {p.ttft_p50_s:7.3f}s "
-                    f"p90 {p.ttft_p90_s:7.3f}s (SLA {sla:.2f}s {'met' if p.met_sla else 'MISSED'})"
-                    f"  TPOT {p.tpot_p50_s:6.3f}s  {p.tokens_per_s:7.1f} tok/s  "
+                    f"{policy:<13} rate {rate:7.4g}/s ({p.load:.2f}x capacity)  "
+                    f"TTFT p50 {p.ttft_p50_s:7.3f}s p90 {p.ttft_p90_s:7.3f}s "
+                    f"(SLA {sla:.2f}s {'met' if p.met_sla else 'MISSED'})  "
+                    f"TPOT {p.tpot_p50_s:6.3f}s  {p.tokens_per_s:7.1f} tok/s  "
                     f"failed {p.failed} (refused {p.refused})  {p.elapsed_s:6.1f}s",
                     file=sys.stderr,
                 )
