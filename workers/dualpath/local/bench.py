@@ -642,7 +642,7 @@ def trace_spec(args: argparse.Namespace) -> TraceSpec:
     )
 
 
-# --agents and --turns when not given: offline (one replay) and --online (per rate point)
+# --agents and --turns when not given: offline (one replay); --online has its own (ONLINE_SIZE)
 OFFLINE_SIZE = {"agents": 12, "turns": 10}
 
 
