@@ -154,8 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=READ_TO_COMPUTE,
         help="with --snic-gbps auto: a turn's hit read time over its prefill compute time",
     )
-    parser.add_argument("--agents", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=10, help="max turns per agent")
+    parser.add_argument(
+        "--agents", type=int, default=None, help="agents (default 12; --online: sessions stored, 8)"
+    )
+    parser.add_argument(
+        "--turns", type=int, default=None, help="max turns per agent (default 10; --online: 3)"
+    )
     parser.add_argument("--first-tokens", type=int, default=1536)
     parser.add_argument("--append-tokens", type=int, default=32)
     parser.add_argument("--gen-tokens", type=int, default=4)
@@ -261,12 +265,15 @@ async def replay(
     timeout_s: float = 600.0,
     warmup_turns: int = 0,
     on_warm: Callable[[], None] | None = None,
+    context_of: dict[str, str] | None = None,
 ) -> list[TurnResult]:
     """Replay every agent concurrently; each agent's turns run one after another.
 
     The first `warmup_turns` turns of every agent are marked `warmup` (their context is not in
     storage yet: a cold start, not the steady state of an agentic workload); once every agent
     finished them, `on_warm()` is called (start timers, snapshot counters) and the rest run.
+    `context_of` maps an agent to another agent id whose first tokens it starts from (a context
+    stored beforehand; online mode); its appended tokens stay its own.
     """
     results: list[TurnResult] = []
     warm_left = len(trajectories) if warmup_turns else 0
@@ -286,7 +293,8 @@ async def replay(
 
     async def agent(tr: Trajectory) -> None:
         rng = random.Random(f"{seed}:{tr.agent_id}")
-        history = _tokens(rng, tr.first_tokens, vocab)
+        ctx = (context_of or {}).get(tr.agent_id)
+        history = _tokens(random.Random(f"{seed}:{ctx}") if ctx else rng, tr.first_tokens, vocab)
         sid = f"bench-{seed}-{tr.agent_id}"
         for i, turn in enumerate(tr.turns):
             if warmup_turns and i == warmup_turns:
@@ -619,10 +627,17 @@ def trace_spec(args: argparse.Namespace) -> TraceSpec:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.online:
-        from dualpath.local import online
+# --agents and --turns when not given: offline (one replay); --online has its own (ONLINE_SIZE)
+OFFLINE_SIZE = {"agents": 12, "turns": 10}
 
+
+def run(args: argparse.Namespace) -> int:
+    from dualpath.local import online
+
+    for name, value in (online.ONLINE_SIZE if args.online else OFFLINE_SIZE).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.online:
         return online.run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     spec = trace_spec(args)
