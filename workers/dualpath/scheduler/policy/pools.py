@@ -6,10 +6,11 @@ nodes change (the pair a decision charges, the nodes that heartbeat), and `NodeS
 tell the structure watching the node which one (`touch`). Both read the loads through the
 slots' private names (`NodeState._tracks_changes`: the public names are properties). So:
 
-- `PrefillRanking`: the available, non-overloaded prefill nodes in a heap by the paper's order
-  (short read queue first, then fewest tokens, then shorter read queue, then node id). A touched
-  node is pushed again; an entry whose node has changed since is dropped when it reaches the top
-  (lazy deletion: its (read queue, tokens) no longer match). O(log n) per change, O(1) to read.
+- `PrefillRanking`: the available, non-overloaded prefill nodes in one sorted list by the
+  paper's order (short read queue first, then fewest tokens, then shorter read queue, then node
+  id). A touched node's key is taken out and put back in place: O(log n) comparisons per
+  change, O(1) to read, nothing stale left behind (a heap with lazy deletion had to be rebuilt
+  now and then, a spike in the p99).
 - `DecodeGroup`: one decode group's totals over its available engines (tokens, engines, most
   buffer room), recomputed from its few members only after one of them changed.
 
@@ -19,8 +20,7 @@ A node reports to one watcher. When another view's pool claims it, the first wat
 
 from __future__ import annotations
 
-import itertools
-from heapq import heapify, heappop, heappush
+from bisect import bisect_left, insort
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,65 +36,69 @@ def watch(node: NodeState, watcher: PrefillRanking | DecodeGroup) -> None:
 
 
 class PrefillRanking:
-    """The pool's best prefill node by the paper's rule, in O(changes) per read."""
+    """The pool's best prefill node by the paper's rule, in O(changes) per read.
 
-    __slots__ = ("_limits", "_nodes", "_heap", "_dirty", "_seq", "orphaned")
+    The available, non-overloaded nodes' keys (long read queue, tokens, read queue, node id,
+    then the node's `id` so equal ids never compare further) are kept in one sorted list; a
+    touched node's key is taken out and put back (bisect, C-level `insort`) when the next
+    decision reads. Nothing stale stays behind, so no read ever pays for a rebuild.
+    """
+
+    __slots__ = ("_limits", "_nodes", "_by_ref", "_order", "_placed", "_dirty", "orphaned")
 
     def __init__(self, limits: list[tuple[NodeState, float, float]]) -> None:
-        # node id -> (overloaded above these tokens, short read queue under these bytes)
-        self._limits = {n.node_id: (max_tok, short) for n, max_tok, short in limits}
+        # id(node) -> (overloaded above these tokens, short read queue under these bytes)
+        self._limits = {id(n): (max_tok, short) for n, max_tok, short in limits}
         self._nodes = [n for n, _, _ in limits]
-        self._heap: list[tuple] = []
-        self._dirty: dict[str, NodeState] = {}
-        self._seq = itertools.count()  # entries never compare past it (nodes don't order)
+        self._by_ref = {id(n): n for n in self._nodes}
+        self._order: list[tuple[bool, int, int, str, int]] = []
+        self._placed: dict[int, tuple[bool, int, int, str, int]] = {}
+        self._dirty: dict[int, NodeState] = {}
         self.orphaned = False
         for n in self._nodes:
             watch(n, self)
         self._rebuild()
 
     def touch(self, node: NodeState) -> None:
-        self._dirty[node.node_id] = node
+        self._dirty[id(node)] = node
 
-    def _entry(self, n: NodeState) -> tuple | None:
-        """The node's heap entry, or None when it cannot take a request (unavailable or
-        overloaded)."""
+    def _key(self, n: NodeState) -> tuple[bool, int, int, str, int] | None:
+        """The node's place in the order, or None when it cannot take a request (unavailable
+        or overloaded)."""
         if not n.available:
             return None
-        max_tok, short = self._limits[n.node_id]
+        ref = id(n)
+        max_tok, short = self._limits[ref]
         tok = n._tokens_queued + n._tokens_running
         if tok > max_tok:
             return None
         rp = n._read_pending_bytes
-        return (rp >= short, tok, rp, n.node_id, next(self._seq), n)
+        return (rp >= short, tok, rp, n.node_id, ref)
 
     def _rebuild(self) -> None:
         self._dirty = {}
-        self._heap = [e for e in map(self._entry, self._nodes) if e is not None]
-        heapify(self._heap)
+        self._placed = {ref: k for ref, k in ((id(n), self._key(n)) for n in self._nodes) if k}
+        self._order = sorted(self._placed.values())
 
     def best(self) -> tuple[NodeState, bool, int] | None:
         """(node, has a short read queue, tokens) of the best non-overloaded available node."""
-        heap = self._heap
-        dirty = self._dirty
-        if self.orphaned or len(heap) + len(dirty) > 4 * len(self._nodes) + 16:
-            self._rebuild()  # stale entries piled up (or the nodes report elsewhere)
-            heap = self._heap
-        elif dirty:
-            self._dirty = {}
-            for n in dirty.values():
-                e = self._entry(n)
-                if e is not None:
-                    heappush(heap, e)
-        while heap:
-            long, tok, rp, _, _, n = heap[0]
-            if (
-                n.available
-                and n._read_pending_bytes == rp
-                and n._tokens_queued + n._tokens_running == tok
-            ):
-                return n, not long, tok
-            heappop(heap)  # the node changed since (it was pushed again if it still qualifies)
-        return None
+        if self.orphaned:
+            self._rebuild()  # the nodes report to another view's pool: read them all
+        elif self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            order, placed = self._order, self._placed
+            for ref, n in dirty.items():
+                old = placed.pop(ref, None)
+                if old is not None:
+                    del order[bisect_left(order, old)]
+                key = self._key(n)
+                if key is not None:
+                    placed[ref] = key
+                    insort(order, key)
+        if not self._order:
+            return None
+        long, tok, _, _, ref = self._order[0]
+        return self._by_ref[ref], not long, tok
 
 
 class DecodeGroup:
