@@ -17,8 +17,8 @@ def stored(keys, first_depth=0, parent=ROOT):
     return out
 
 
-def ready_index(keys=()):
-    idx = BlockIndex()
+def ready_index(keys=(), anchor_every=64):
+    idx = BlockIndex(anchor_every=anchor_every)
     sid = idx.snapshot_wanted("w0", 0.0)
     assert idx.install_snapshot(sid, list(keys))
     return idx
@@ -91,10 +91,11 @@ def test_shared_prefix_branches():
     assert idx.holes == 1 and idx.hit_blocks(b) == 2
 
 
+@pytest.mark.parametrize("anchor_every", [64, 4, 1])
 @pytest.mark.parametrize("seed", range(20))
-def test_lookup_matches_a_walk_under_random_events(seed):
+def test_lookup_matches_a_walk_under_random_events(seed, anchor_every):
     rng = random.Random(seed)
-    idx = ready_index()
+    idx = ready_index(anchor_every=anchor_every)
     chains = [chain(rng.randrange(1, 40), start=1000 * (c + 1)) for c in range(6)]
     chains.append(chains[0][:5] + chain(10, start=90_000))  # a branch
     present = set()
@@ -115,6 +116,42 @@ def test_lookup_matches_a_walk_under_random_events(seed):
             limit = rng.randrange(0, len(q) + 2)
             assert idx.hit_blocks(q, limit) == walk(present, q, limit)
     assert len(idx) == len(present)
+
+
+@pytest.mark.parametrize("anchor_every", [64, 8, 2])
+@pytest.mark.parametrize("seed", range(10))
+def test_holes_in_many_branches_of_a_shared_trunk_match_a_walk(seed, anchor_every):
+    """An agent's system prompt is every session's trunk: the holes of many branches share
+    the trunk's anchors (a big bucket), and some lie in the trunk itself; scanned keys (no
+    links) and parents that arrive after their children leave holes without an anchor."""
+    rng = random.Random(seed)
+    trunk = chain(rng.randrange(4, 30), start=1)
+    branches = [trunk + chain(rng.randrange(1, 50), start=1000 * (b + 1)) for b in range(40)]
+    idx = ready_index(rng.sample(trunk, rng.randrange(0, 3)), anchor_every=anchor_every)
+    present = set(idx._parent)
+    for seq, q in enumerate(branches, start=1):
+        events = [(q[d], q[d - 1] if d else ROOT, d) for d in range(len(q))]
+        if rng.random() < 0.3:
+            events.reverse()  # deepest first: links arrive before their parents
+        idx.apply("w0", "e", seq, events)
+        present.update(q)
+    seq = len(branches)
+    for _ in range(60):
+        q = rng.choice(branches)
+        gone = rng.sample(q, rng.randrange(1, 3))
+        seq += 1
+        idx.apply("w0", "e", seq, removed=gone)
+        present.difference_update(gone)
+        if rng.random() < 0.3:  # a recompute writes part of a branch back
+            i = rng.randrange(len(q))
+            seq += 1
+            idx.apply(
+                "w0", "e", seq, [(q[d], q[d - 1] if d else ROOT, d) for d in range(i, len(q))]
+            )
+            present.update(q[i:])
+        for b in branches:
+            limit = rng.randrange(0, len(b) + 2)
+            assert idx.hit_blocks(b, limit) == walk(present, b, limit)
 
 
 def test_duplicates_are_ignored_and_a_gap_starts_a_rebuild():

@@ -37,6 +37,7 @@ from operator import itemgetter
 
 ROOT = 0  # parent key of a chain's first block (never a key: kv.ids.block_key)
 UNLINKED = -1  # parent unknown (a key found by a scan, or a write that did not say)
+ANCHOR_EVERY = 64  # default depth between two anchors of the holes (BlockIndex._anchored)
 _COUNT = 1 << 24  # _kids value: children count * _COUNT + the parent's depth
 _DEPTH = _COUNT - 1
 
@@ -96,14 +97,24 @@ class IndexCounters:
 class BlockIndex:
     """The set of block keys in the shared store, its chain links, and its recovery state."""
 
-    def __init__(self, snapshot_timeout_s: float = 30.0) -> None:
+    def __init__(self, snapshot_timeout_s: float = 30.0, anchor_every: int = ANCHOR_EVERY) -> None:
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1 (got {anchor_every})")
         self.snapshot_timeout_s = snapshot_timeout_s
+        self.anchor_every = anchor_every
         self._parent: dict[int, int] = {}  # present key -> parent key (ROOT, UNLINKED)
         self._kids: dict[int, int] = {}  # key (present or not) -> linked present children
         self._holes: dict[int, int] = {}  # absent key with present children -> its depth
-        # the holes' distinct depths, sorted, and how many holes each has. A lookup reads its
-        # keys at the depths inside its prefix (one C-level `itemgetter` call, cached per
-        # count of depths in `_probes`) and checks them against the holes in one set operation
+        # Holes by **anchor**: the key of their chain at the depth anchor_every * k at or
+        # above them (found once, walking the parent links up from the hole). A prompt passes
+        # through a hole only if its key at that depth is the anchor, so a lookup probes
+        # b / anchor_every keys, not one per hole depth. Anchor key -> {hole: depth}.
+        self._anchored: dict[int, dict[int, int]] = {}
+        self._hole_anchor: dict[int, int] = {}
+        # Holes whose chain above them is not known (a parent never linked or itself absent):
+        # their distinct depths, sorted, and how many each has. A lookup reads its keys at the
+        # depths inside its prefix (one C-level `itemgetter` call, cached per count of depths in
+        # `_probes`) and checks them against the holes in one set operation
         self._hole_depths: list[int] = []
         self._depth_holes: dict[int, int] = {}
         self._probes: dict[int, Callable[[Sequence[int]], tuple[int, ...]]] = {}
@@ -184,7 +195,7 @@ class BlockIndex:
         v = self._kids.get(parent)
         self._kids[parent] = v + _COUNT if v else _COUNT | (depth - 1)
         if parent not in self._parent:
-            self._add_hole(parent, depth - 1)
+            self._add_hole(parent, depth - 1)  # its own parent is unknown
 
     def _remove(self, key: int) -> None:
         parent = self._parent.pop(key, None)
@@ -201,21 +212,48 @@ class BlockIndex:
                     self._drop_hole(parent)
         v = self._kids.get(key)
         if v:
-            self._add_hole(key, v & _DEPTH)
+            self._add_hole(key, v & _DEPTH, parent)
 
-    def _add_hole(self, key: int, depth: int) -> None:
+    def _add_hole(self, key: int, depth: int, parent: int = UNLINKED) -> None:
         if key in self._holes:
             return
         self._holes[key] = depth
+        anchor = self._anchor_of(key, depth, parent)
+        if anchor is not None:
+            self._hole_anchor[key] = anchor
+            self._anchored.setdefault(anchor, {})[key] = depth
+            return
         n = self._depth_holes.get(depth, 0)
         self._depth_holes[depth] = n + 1
         if not n:
             insort(self._hole_depths, depth)
             self._probes.clear()
 
+    def _anchor_of(self, key: int, depth: int, parent: int) -> int | None:
+        """The key at depth anchor_every * k at or above this hole on its chain, or None when
+        the parent links up to it are not all known."""
+        top = depth - depth % self.anchor_every
+        if top == depth:
+            return key
+        present = self._parent
+        k, d = parent, depth - 1
+        while d > top:
+            if k <= ROOT:  # ROOT or UNLINKED: the chain above is not known
+                return None
+            k = present.get(k, UNLINKED)
+            d -= 1
+        return k if k > ROOT else None
+
     def _drop_hole(self, key: int) -> None:
         depth = self._holes.pop(key, None)
         if depth is None:
+            return
+        anchor = self._hole_anchor.pop(key, None)
+        if anchor is not None:
+            bucket = self._anchored[anchor]
+            del bucket[key]
+            if not bucket:
+                del self._anchored[anchor]
             return
         n = self._depth_holes.pop(depth) - 1
         if n:
@@ -266,6 +304,8 @@ class BlockIndex:
         self._parent = dict.fromkeys(keys, UNLINKED)
         self._kids = {}
         self._holes = {}
+        self._anchored = {}
+        self._hole_anchor = {}
         self._hole_depths = []
         self._depth_holes = {}
         self._probes.clear()
@@ -292,25 +332,42 @@ class BlockIndex:
         n = len(keys) if limit is None else min(len(keys), limit)
         b = self._boundary(keys, n)
         holes = self._holes
-        if b and holes:
-            depths = self._hole_depths
-            inside = bisect_left(depths, b)  # distinct hole depths that lie inside the prefix
-            if not inside:
-                return b
-            if inside < b:
+        if not (b and holes):
+            return b
+        cut = b  # the first hole inside the prefix ends it
+        anchored = self._anchored
+        if anchored:
+            every = self.anchor_every
+            for top in range(0, b, every):
+                bucket = anchored.get(keys[top])
+                if bucket is None:
+                    continue
+                if len(bucket) <= every:
+                    for hole, d in bucket.items():
+                        if d < cut and keys[d] == hole:
+                            cut = d
+                else:  # a shared block anchors many chains' holes: read the prompt's keys
+                    for d in range(top, min(top + every, cut)):
+                        if keys[d] in bucket:
+                            cut = d
+                            break
+        depths = self._hole_depths
+        if depths:
+            inside = bisect_left(depths, cut)  # distinct unanchored hole depths inside
+            if inside >= cut:  # many holes: one pass, then walk
+                if not holes.keys().isdisjoint(keys[:cut]):
+                    c.walks += 1
+                    present = self._parent
+                    for i in range(cut):
+                        if keys[i] not in present:
+                            return i
+            elif inside:
                 at = self._probe(inside)(keys)  # the prompt's keys at those depths
-                if holes.keys().isdisjoint(at):
-                    return b
-                # the first hole inside the prefix ends it: bisect before it (none lies below)
-                c.hole_cuts += 1
-                d = next(d for d, k in zip(depths, at, strict=False) if k in holes)
-                return self._boundary(keys, d)
-            if not holes.keys().isdisjoint(keys[:b]):  # many holes: one pass, then walk
-                c.walks += 1
-                present = self._parent
-                for i in range(b):
-                    if keys[i] not in present:
-                        return i
+                if not holes.keys().isdisjoint(at):
+                    cut = next(d for d, k in zip(depths, at, strict=False) if k in holes)
+        if cut < b:  # bisect again before the first hole (none lies below it)
+            c.hole_cuts += 1
+            return self._boundary(keys, cut)
         return b
 
     def _probe(self, inside: int) -> Callable[[Sequence[int]], tuple[int, ...]]:
