@@ -40,16 +40,25 @@ POLICIES = ("prefill-read", "dualpath")
 READ_TO_COMPUTE = 4.0
 
 
-def _snic_arg(value: str) -> float | str:
-    if value == "auto":
-        return value
-    try:
-        gbps = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or Gbps, got {value!r}") from None
-    if not gbps >= 0:
-        raise argparse.ArgumentTypeError(f"Gbps must be >= 0, got {value!r}")
-    return gbps
+def auto_or_number(what: str, positive: bool = False) -> Callable[[str], float | str]:
+    """An argparse type: 'auto', or a number >= 0 (> 0 when `positive`) of `what` (e.g. Gbps)."""
+
+    def parse(value: str) -> float | str:
+        if value == "auto":
+            return value
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or {what}, got {value!r}") from None
+        if not (x > 0 if positive else x >= 0):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"{what} must be {bound}, got {value!r}")
+        return x
+
+    return parse
+
+
+_snic_arg = auto_or_number("Gbps")
 
 
 @dataclass

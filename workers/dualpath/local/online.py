@@ -65,16 +65,7 @@ MAX_POINT_AGENTS = 2000
 POINT_TURNS = 40
 
 
-def _point_s(value: str) -> float | str:
-    if value == "auto":
-        return value
-    try:
-        s = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or seconds, got {value!r}") from None
-    if not s > 0:
-        raise argparse.ArgumentTypeError(f"--point-s must be > 0, got {value!r}")
-    return s
+_point_s = bench.auto_or_number("seconds", positive=True)
 
 
 START_LOAD = 0.75  # --rates auto: the first point, a fraction of the policy's predicted capacity
