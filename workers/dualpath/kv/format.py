@@ -124,14 +124,11 @@ class BlockHeader:
     checksums: tuple[int, ...]
 
 
-def encode_header(layout: BlockLayout, block_id: str, checksums: list[int]) -> bytes:
-    if len(checksums) != layout.layers:
-        raise ValueError(f"need one checksum per layer ({layout.layers}), got {len(checksums)}")
-    fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
+def _shape_fields(layout: BlockLayout) -> tuple[int, ...]:
+    """The header's shape fields, in their order in `_FIXED`: written by `encode_header`, and
+    what `decode_header` requires a block's to equal."""
+    return (
         DTYPE_CODES[layout.dtype],
-        CHECKSUM_XXH3_64,
         layout.header_bytes,
         layout.layers,
         layout.block_tokens,
@@ -139,6 +136,19 @@ def encode_header(layout: BlockLayout, block_id: str, checksums: list[int]) -> b
         layout.k_dim,
         layout.v_heads,
         layout.v_dim,
+    )
+
+
+def encode_header(layout: BlockLayout, block_id: str, checksums: list[int]) -> bytes:
+    if len(checksums) != layout.layers:
+        raise ValueError(f"need one checksum per layer ({layout.layers}), got {len(checksums)}")
+    dtype, *shape = _shape_fields(layout)
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        dtype,
+        CHECKSUM_XXH3_64,
+        *shape,
         layout.fingerprint.encode(),
         bytes.fromhex(block_id),
     )
@@ -172,16 +182,7 @@ def decode_header(buf: bytes, layout: BlockLayout, block_id: str) -> BlockHeader
             "foreign_model",
             f"block {block_id}: written for model {fingerprint}, expected {layout.fingerprint}",
         )
-    if (dtype, header_bytes, layers, bt, kh, kd, vh, vd) != (
-        DTYPE_CODES[layout.dtype],
-        layout.header_bytes,
-        layout.layers,
-        layout.block_tokens,
-        layout.k_heads,
-        layout.k_dim,
-        layout.v_heads,
-        layout.v_dim,
-    ):
+    if (dtype, header_bytes, layers, bt, kh, kd, vh, vd) != _shape_fields(layout):
         raise BlockFormatError("foreign_model", f"block {block_id}: shape/dtype differ")
     if bid.hex() != block_id:
         raise BlockFormatError("bad_header", f"block {block_id}: header names {bid.hex()}")
