@@ -82,22 +82,27 @@ class PrefillRanking:
 
     def best(self) -> tuple[NodeState, bool, int] | None:
         """(node, has a short read queue, tokens) of the best non-overloaded available node."""
+        order = self._order
         if self.orphaned:
             self._rebuild()  # the nodes report to another view's pool: read them all
+            order = self._order
         elif self._dirty:
-            dirty, self._dirty = self._dirty, {}
-            order, placed = self._order, self._placed
-            for ref, n in dirty.items():
+            dirty, placed, limits = self._dirty, self._placed, self._limits
+            for ref, n in dirty.items():  # `_key`, inlined: this runs on every decision
                 old = placed.pop(ref, None)
                 if old is not None:
                     del order[bisect_left(order, old)]
-                key = self._key(n)
-                if key is not None:
-                    placed[ref] = key
-                    insort(order, key)
-        if not self._order:
+                if n.available:
+                    max_tok, short = limits[ref]
+                    tok = n._tokens_queued + n._tokens_running
+                    if tok <= max_tok:
+                        rp = n._read_pending_bytes
+                        key = placed[ref] = (rp >= short, tok, rp, n.node_id, ref)
+                        insort(order, key)
+            dirty.clear()
+        if not order:
             return None
-        long, tok, _, _, ref = self._order[0]
+        long, tok, _, _, ref = order[0]
         return self._by_ref[ref], not long, tok
 
 
