@@ -62,47 +62,38 @@ class PrefillRanking:
     def touch(self, node: NodeState) -> None:
         self._dirty[id(node)] = node
 
-    def _key(self, n: NodeState) -> tuple[bool, int, int, str, int] | None:
-        """The node's place in the order, or None when it cannot take a request (unavailable
-        or overloaded)."""
-        if not n.available:
-            return None
-        ref = id(n)
-        max_tok, short = self._limits[ref]
-        tok = n._tokens_queued + n._tokens_running
-        if tok > max_tok:
-            return None
-        rp = n._read_pending_bytes
-        return (rp >= short, tok, rp, n.node_id, ref)
-
     def _rebuild(self) -> None:
-        self._dirty = {}
-        self._placed = {ref: k for ref, k in ((id(n), self._key(n)) for n in self._nodes) if k}
-        self._order = sorted(self._placed.values())
+        """Read every node again: all of them are placed as if each had changed."""
+        self._order, self._placed = [], {}
+        self._dirty = {id(n): n for n in self._nodes}
+        self._place_changed()
+
+    def _place_changed(self) -> None:
+        """Take each changed node's key out of the order and put its new one in (none when
+        it cannot take a request: unavailable or overloaded). Runs on every decision."""
+        order, placed, limits = self._order, self._placed, self._limits
+        for ref, n in self._dirty.items():
+            old = placed.pop(ref, None)
+            if old is not None:
+                del order[bisect_left(order, old)]
+            if n.available:
+                max_tok, short = limits[ref]
+                tok = n._tokens_queued + n._tokens_running
+                if tok <= max_tok:
+                    rp = n._read_pending_bytes
+                    key = placed[ref] = (rp >= short, tok, rp, n.node_id, ref)
+                    insort(order, key)
+        self._dirty.clear()
 
     def best(self) -> tuple[NodeState, bool, int] | None:
         """(node, has a short read queue, tokens) of the best non-overloaded available node."""
-        order = self._order
         if self.orphaned:
             self._rebuild()  # the nodes report to another view's pool: read them all
-            order = self._order
         elif self._dirty:
-            dirty, placed, limits = self._dirty, self._placed, self._limits
-            for ref, n in dirty.items():  # `_key`, inlined: this runs on every decision
-                old = placed.pop(ref, None)
-                if old is not None:
-                    del order[bisect_left(order, old)]
-                if n.available:
-                    max_tok, short = limits[ref]
-                    tok = n._tokens_queued + n._tokens_running
-                    if tok <= max_tok:
-                        rp = n._read_pending_bytes
-                        key = placed[ref] = (rp >= short, tok, rp, n.node_id, ref)
-                        insort(order, key)
-            dirty.clear()
-        if not order:
+            self._place_changed()
+        if not self._order:
             return None
-        long, tok, _, _, ref = order[0]
+        long, tok, _, _, ref = self._order[0]
         return self._by_ref[ref], not long, tok
 
 
