@@ -356,3 +356,21 @@ def test_a_node_claimed_by_a_second_view_keeps_the_first_one_right():
     p0.tokens_queued = 50
     assert pick_pair(req, first)[0] is p1
     assert pick_pair(req, second)[0] is p1
+
+
+def test_a_decode_group_claimed_by_a_second_view_keeps_the_first_one_right():
+    """The same for the decode groups' order: the first view's ranking recomputes its groups."""
+    p0 = NodeState("p0", "prefill")
+    d0 = NodeState("d0", "decode", group="a")
+    d1 = NodeState("d1", "decode", group="b", tokens_queued=10)
+    first = ClusterView([p0], [d0, d1])
+    req = RouteRequest.for_turn("r", 100, 0, 1)
+    assert pick_pair(req, first)[1] is d0
+    second = ClusterView([p0], [d0, d1])
+    assert pick_pair(req, second)[1] is d0
+    d0.tokens_running = 50
+    assert pick_pair(req, first)[1] is d1
+    assert pick_pair(req, second)[1] is d1
+    d1.buffer_free_bytes = 0  # no room in the least-loaded group: the next one with room
+    assert pick_pair(req, first)[1] is d0
+    assert pick_pair(req, second)[1] is d0

@@ -15,7 +15,8 @@ slots' private names (`NodeState._tracks_changes`: the public names are properti
   buffer room), recomputed from its few members only after one of them changed.
 
 A node reports to one watcher. When another view's pool claims it, the first watcher is
-`orphaned` and recomputes everything on every read: still correct, only as slow as the scan.
+orphaned (`orphan()`) and recomputes everything on every read: still correct, only as slow as
+the scan.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def watch(node: NodeState, watcher: PrefillRanking | DecodeGroup) -> None:
     """Make `watcher` the one told of `node`'s load changes (its previous one is orphaned)."""
     old = node._watch
     if old is not None and old is not watcher:
-        old.orphaned = True
+        old.orphan()
     node._watch = watcher
 
 
@@ -61,6 +62,9 @@ class PrefillRanking:
 
     def touch(self, node: NodeState) -> None:
         self._dirty[id(node)] = node
+
+    def orphan(self) -> None:
+        self.orphaned = True
 
     def _rebuild(self) -> None:
         """Read every node again: all of them are placed as if each had changed."""
@@ -115,6 +119,9 @@ class DecodeGroup:
 
     def touch(self, node: NodeState) -> None:
         self.stale = True
+
+    def orphan(self) -> None:
+        self.orphaned = self.stale = True  # stale from now on: `refresh` keeps it so
 
     def refresh(self) -> None:
         tok = cnt = 0
