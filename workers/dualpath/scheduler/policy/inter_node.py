@@ -27,6 +27,7 @@ from dualpath.scheduler.policy.types import (
 
 # Z slack of the paper's decode phase 2.
 DECODE_BALANCE_SLACK = 1.05
+_NO_TOKENS = 1 << 62  # more tokens than any group has: the first group with room beats it
 
 
 def is_overloaded(node: NodeState, t: Thresholds) -> bool:
@@ -84,12 +85,12 @@ def pick_decode(request: RouteRequest, groups: list[DecodeGroup]) -> NodeState |
     """
     need = request.context_bytes
     best: DecodeGroup | None = None
+    best_tok = _NO_TOKENS
     for g in groups:  # sorted by name: the first of equal groups wins
         if g.stale:
             g.refresh()
-        most = g.most_free
-        if most is not None and most >= need and (best is None or g.tokens < best.tokens):
-            best = g
+        if g.most_free >= need and g.tokens < best_tok:  # most_free: -1 with no engine up
+            best, best_tok = g, g.tokens
     # Phase 2 within the group: it has an available engine with room, so this is never None.
     return None if best is None else _pick_engine(request, best.members, best.tokens, best.engines)
 

@@ -111,7 +111,7 @@ class DecodeGroup:
         self.members = members
         self.tokens = 0  # tokens queued + running on its available engines
         self.engines = 0  # available engines
-        self.most_free: int | None = None  # the most buffer room of one available engine
+        self.most_free = -1  # the most buffer room of one available engine (-1: none is)
         self.stale = True
         self.orphaned = False
         for n in members:
@@ -125,13 +125,13 @@ class DecodeGroup:
 
     def refresh(self) -> None:
         tok = cnt = 0
-        most: int | None = None
+        most = -1
         for n in self.members:
             if n.available:
                 tok += n._tokens_queued + n._tokens_running
                 cnt += 1
                 free = n._buffer_free_bytes
-                if most is None or free > most:
+                if free > most:
                     most = free
         self.tokens, self.engines, self.most_free = tok, cnt, most
         self.stale = self.orphaned
