@@ -3,6 +3,7 @@ against both, through the real read queue, so the fake cannot drift from what it
 
 from __future__ import annotations
 
+import asyncio
 import errno
 
 import pytest
@@ -158,3 +159,29 @@ def test_request_layer_views_read_what_the_queue_laid_out(store):
     buf = torch.zeros(lo.payload_bytes * 2, dtype=torch.uint8)
     k, v = request_layer_views(buf, lo, 2, 0)
     assert k.shape == (2 * BT, lo.k_heads, lo.k_dim) and v.shape[0] == 2 * BT
+
+
+async def test_a_hold_of_some_reads_holds_those_and_lets_the_later_ones_pass(model):
+    store = MemoryStore(model)
+    tokens, kv = _context(store, 1)
+    store.put_tokens(tokens, kv)
+    ids = block_ids(tokens, model)[:1]
+    release = store.hold(ids[0], reads=1)
+    queue = ReadQueue(store, concurrency=2, read_timeout_s=5.0)
+    held = queue.submit(ids)
+    try:
+        for _ in range(200):  # the first read waits on the hold
+            if store.waiting(ids[0]):
+                break
+            await asyncio.sleep(0.01)
+        assert store.waiting(ids[0]) == 1 and held.busy
+        valid, layers, _ = await _read(store, ids)  # a later read passes
+        assert valid == 1 and torch.equal(_u8(layers[0][0]), _u8(kv[0][0][:BT]))
+        assert held.busy  # the first is still held
+    finally:
+        release.set()
+    await held.done()
+    assert not held.busy and store.waiting(ids[0]) == 0
+    with pytest.raises(ValueError, match="reads must be >= 1"):
+        store.hold(ids[0], reads=0)
+    queue.close()

@@ -98,3 +98,16 @@ def test_a_row_misses_its_bars_on_any_loss_or_a_slow_recovery() -> None:
     bad.judge()
     assert bad.bars == ["lost=1", "hung=1", "wrong=1", "bad_input_5xx=1", "recover_s>5"]
     assert "MISSED" in table([bad]) and "| ok |" in table([row])
+
+
+async def test_a_wrong_answer_names_where_it_differs_and_what_served_it() -> None:
+    c = _client(lambda request: _answer([5, 9, 7]))
+    res = await c.turn(1)
+    await c.close()
+    assert res.wrong
+    assert res.error.startswith("prompt 1: token 1 differs (got [9, 7], reference [6, 7]); 32")
+    assert "decode decode-1" in res.error
+    row = Row("disconnects")
+    row.add([Result("ok"), res])
+    row.judge()
+    assert row.bars == ["wrong=1"] and "first wrong: prompt 1: token 1 differs" in row.note

@@ -10,6 +10,7 @@ runs the same paths over NIXL between processes.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -154,6 +155,119 @@ async def test_a_hit_the_store_lost_ends_at_the_gap(cluster, path):
     assert store.lookup(ids) == 3
 
 
+def _on_reads(decode, before=None, after=None):
+    """Every read the decode node submits to its queue, in order: `before(n)` runs before the
+    n-th (0-based) goes to the queue, `after(n, handle)` before the node gets its handle."""
+    queue = decode.decode.read_queue
+    submit, handles = queue.submit, []
+
+    def submitted(ids, out=None):  # noqa: ANN001, ANN202
+        if before is not None:
+            before(len(handles))
+        handle = submit(ids, out=out)
+        if after is not None:
+            after(len(handles), handle)
+        handles.append(handle)
+        return handle
+
+    queue.submit = submitted
+    return handles
+
+
+def _record_contexts(decode):
+    """The whole-context KV of every sequence the decode node admits to its batch."""
+    admit, contexts = decode.decode._admit, []
+
+    async def recorded(rid, kv, logits, params):  # noqa: ANN001, ANN202
+        contexts.append(kv)
+        return await admit(rid, kv, logits, params)
+
+    decode.decode._admit = recorded
+    return contexts
+
+
+async def test_a_hit_cut_at_validation_is_reread_where_no_closed_read_still_writes(cluster):
+    """Path D, block 2 of a 3-block hit gone: the hit is the 2 valid blocks. The first read
+    (the 3-block layout) is closed while one of its chunks is still in a pool thread (a slow
+    read); that chunk lands after the valid prefix was read again, and never in the KV used."""
+    prefill, decode, store, _ = cluster
+    ctx, ids, clean = await _turn_then_context(prefill, decode, store, seed=23)
+    with decode.transfer.active():
+        want, _, _, _ = await decode.decode._prefill(
+            _request(prefill, "want", ctx, 2 * BT, "decode"), ctx, 2 * BT, "decode"
+        )
+    store.remove(ids[2])
+    release = store.hold(ids[0], reads=1)  # the first read's chunk with block 0 is slow
+    loop = asyncio.get_running_loop()
+    first: list = []
+    layers = decode.cfg.spec.model.layers
+
+    def slow_then_fast(n, handle):  # noqa: ANN001, ANN202
+        if n == 0:  # validated once its slow chunk is in a pool thread
+            first.append(handle)
+            ready = handle.ready
+
+            async def ready_with_a_chunk_in_flight() -> int:
+                valid = await ready()
+                end = loop.time() + 5
+                while not store.waiting(ids[0]) and loop.time() < end:
+                    await asyncio.sleep(0.005)
+                assert store.waiting(ids[0]) == 1 and handle.busy
+                return valid
+
+            handle.ready = ready_with_a_chunk_in_flight
+        elif n == 1:  # every layer of it read before the slow chunk lands
+            layer = handle.layer
+
+            async def all_read_then_the_slow_chunk_lands() -> None:
+                for i in range(layers):
+                    await layer(i)
+                release.set()
+                while first[0].busy:
+                    await asyncio.sleep(0.005)
+
+            landed = asyncio.ensure_future(all_read_then_the_slow_chunk_lands())
+
+            async def layer_once_landed(i):  # noqa: ANN001, ANN202
+                await asyncio.shield(landed)
+                return await layer(i)
+
+            handle.layer = layer_once_landed
+
+    handles = _on_reads(decode, after=slow_then_fast)
+    contexts = _record_contexts(decode)
+    try:
+        req = _request(prefill, "cut", ctx, 3 * BT, "decode")
+        tokens, head = await asyncio.wait_for(_generate(decode, req), 30)
+    finally:
+        release.set()
+    assert len(handles) == 2 and not first[0].busy
+    assert head.hit_tokens == 2 * BT and head.read_path == PATHS["decode"]
+    (got,) = contexts
+    for (kg, vg), (kw, vw) in zip(got, want, strict=True):
+        assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert tokens == clean
+    assert await _all_regions_back(prefill, decode)
+
+
+async def test_a_hit_that_shrinks_again_while_it_is_reread_ends_at_what_is_left(cluster):
+    """Path D: block 2 gone at the first validation, block 1 gone before the valid prefix is
+    read again: the hit is block 0, never bytes that no read filled."""
+    prefill, decode, store, _ = cluster
+    ctx, ids, clean = await _turn_then_context(prefill, decode, store, seed=29)
+    assert await _all_regions_back(prefill, decode)
+    pool = decode.transfer.pool
+    whole = pool.alloc(pool.free_bytes)
+    whole.tensor.fill_(0xFF)  # what the buffer held before: NaN if it were ever used
+    pool.free(whole)
+    store.remove(ids[2])
+    _on_reads(decode, before=lambda n: store.remove(ids[1]) if n == 1 else None)
+    tokens, head = await _generate(decode, _request(prefill, "shrinks", ctx, 3 * BT, "decode"))
+    assert head.hit_tokens == BT and head.read_path == PATHS["decode"]
+    assert tokens == clean
+    assert await _all_regions_back(prefill, decode)
+
+
 async def test_a_stuck_read_ends_at_the_read_bound_and_is_recomputed(cluster):
     prefill, decode, store, _ = cluster
     ctx, ids, clean = await _turn_then_context(prefill, decode, store, seed=13)
@@ -201,3 +315,38 @@ async def test_a_prefill_node_that_is_down_fails_the_turn_naming_it(cluster):
     with pytest.raises(PrefillFailed, match=r"prefill worker prefill-0 \(.*\): UNAVAILABLE"):
         await _generate(decode, _request(prefill, "down", [5] * 20, 0, "none"))
     assert await _all_regions_back(decode)
+
+
+async def test_a_turn_cancelled_while_its_sequence_joins_the_batch_leaves_nothing_behind(cluster):
+    """The client goes away while its sequence is being added to the batch on the compute
+    thread (a running job cannot be cancelled): the sequence is freed right after, its pages
+    back, nothing decoding for nobody."""
+    prefill, decode, store, _ = cluster
+    ctx, _, clean = await _turn_then_context(prefill, decode, store, seed=31)
+    engine = decode.engine
+    free_pages = engine.cache.free_pages
+    loop = asyncio.get_running_loop()
+    entered, gate = threading.Event(), threading.Event()
+    add = engine.add_sequence
+
+    def add_slowly(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        entered.set()
+        gate.wait(10)
+        return add(*args, **kwargs)
+
+    engine.add_sequence = add_slowly
+    turn = asyncio.ensure_future(_generate(decode, _request(prefill, "gone", ctx, 0, "none", 64)))
+    try:
+        assert await loop.run_in_executor(None, entered.wait, 10)  # being added, on the thread
+        turn.cancel()
+        await asyncio.sleep(0.05)  # the turn has seen its cancel
+    finally:
+        gate.set()
+        del engine.add_sequence
+    with pytest.raises(asyncio.CancelledError):
+        await turn
+    await loop.run_in_executor(engine.executor, lambda: None)  # what was queued there ran
+    assert "gone" not in engine.sequences
+    assert engine.cache.free_pages == free_pages
+    tokens, _ = await _generate(decode, _request(prefill, "next", ctx, 0, "none"))
+    assert tokens == clean

@@ -11,7 +11,8 @@ A block keeps its payload in the file store's layer-major layout and a checksum 
 verify each layer they read: a checksum that fails ends the valid prefix (`checksum`) and drops
 the block, an injected read error ends it by its reason (`kv.errors.error_reason`) and leaves
 the block; `hold` makes reads of a block wait until released (a stuck mount: the read queue's
-`read_timeout_s` then ends the wait as a `timeout` miss). Misses are counted by reason in
+`read_timeout_s` then ends the wait as a `timeout` miss), or only its next few reads (one slow
+read among fast ones), and `waiting` tells how many reads of it wait now. Misses are counted by reason in
 `misses`. There is no capacity or eviction: a test sizes what it stores.
 
 It lives in the runtime package, not under tests/, because it is the contract's second
@@ -84,6 +85,9 @@ class MemoryStore:
         self._blocks: dict[BlockId, _Block] = {}
         self._read_errors: dict[BlockId, BaseException] = {}
         self._holds: dict[BlockId, threading.Event] = {}
+        self._hold_reads: dict[BlockId, int] = {}  # held block -> reads it still holds
+        self._waiting: Counter[BlockId] = Counter()  # held block -> reads waiting now
+        self._hold_events: list[threading.Event] = []  # every hold's (close releases them)
         self._lock = threading.Lock()
 
     # ---- faults -------------------------------------------------------------------------------
@@ -102,16 +106,51 @@ class MemoryStore:
         """Every read of the block's data raises `err` until `heal`."""
         self._read_errors[block_id] = err
 
-    def hold(self, block_id: BlockId) -> threading.Event:
-        """Reads of the block's data wait until the returned event is set (a stuck mount)."""
-        ev = self._holds[block_id] = threading.Event()
+    def hold(self, block_id: BlockId, reads: int | None = None) -> threading.Event:
+        """Reads of the block's data wait until the returned event is set (a stuck mount);
+        with `reads`, only the next `reads` reads of it wait, later ones pass."""
+        if reads is not None and reads < 1:
+            raise ValueError("reads must be >= 1 (None: every read until released)")
+        with self._lock:
+            ev = self._holds[block_id] = threading.Event()
+            self._hold_events.append(ev)
+            if reads is None:
+                self._hold_reads.pop(block_id, None)
+            else:
+                self._hold_reads[block_id] = reads
         return ev
+
+    def waiting(self, block_id: BlockId) -> int:
+        """Reads of the block waiting on its hold now."""
+        with self._lock:
+            return self._waiting[block_id]
 
     def heal(self, block_id: BlockId) -> None:
         self._read_errors.pop(block_id, None)
-        ev = self._holds.pop(block_id, None)
+        with self._lock:
+            ev = self._holds.pop(block_id, None)
+            self._hold_reads.pop(block_id, None)
         if ev is not None:
             ev.set()
+
+    def _wait_hold(self, block_id: BlockId) -> None:
+        """A read of the block waits here while the block is held for it."""
+        with self._lock:
+            ev = self._holds.get(block_id)
+            if ev is None:
+                return
+            left = self._hold_reads.get(block_id)
+            if left is not None:  # the last counted read: later ones pass
+                if left <= 1:
+                    del self._holds[block_id], self._hold_reads[block_id]
+                else:
+                    self._hold_reads[block_id] = left - 1
+            self._waiting[block_id] += 1
+        try:
+            ev.wait(_HOLD_MAX_S)
+        finally:
+            with self._lock:
+                self._waiting[block_id] -= 1
 
     # ---- the BlockStore contract ----------------------------------------------------------------
 
@@ -150,9 +189,7 @@ class MemoryStore:
         check_layers_read(lo, run.valid_blocks, l0, l1, a, b, dests)
         kb, vb = lo.k_bytes, lo.v_bytes
         for i, (block_id, block) in enumerate(zip(run.ids[a:b], run.blocks[a:b], strict=True)):
-            ev = self._holds.get(block_id)
-            if ev is not None:
-                ev.wait(_HOLD_MAX_S)
+            self._wait_hold(block_id)
             err = self._read_errors.get(block_id)
             if err is not None:
                 return i, [self.fail_read(block_id, err)]
@@ -202,7 +239,7 @@ class MemoryStore:
         return [block_key(b) for b in list(self._blocks)]
 
     def close(self) -> None:
-        for ev in self._holds.values():
+        for ev in self._hold_events:
             ev.set()
 
     def _miss(self, block_id: BlockId, reason: str) -> BlockFailure:

@@ -321,6 +321,20 @@ class Client:
             )
             ref = self.refs.get(i)  # judged when asked for as many tokens as the reference
             res.wrong = ref is not None and max_tokens == GEN_TOKENS and ids != ref[0]
+            if res.wrong:
+                assert ref is not None
+                at = next(
+                    (k for k, (a, b) in enumerate(zip(ids, ref[0], strict=False)) if a != b), None
+                )
+                at = min(len(ids), len(ref[0])) if at is None else at
+                dp = obj["dualpath"]
+                res.error = (
+                    f"prompt {i}: token {at} differs (got {ids[at : at + 3]}, reference "
+                    f"{ref[0][at : at + 3]}); {res.cached} cached tokens read via path "
+                    f"{dp.get('read_path')}, prefill {dp.get('prefill_node')}, decode "
+                    f"{res.decode_node}"
+                )
+                log.warning("wrong answer: %s; got %s, reference %s", res.error, ids, ref[0])
             return
         st = await stream_completion(
             self.http, body, on_chunk=on_chunk, cut_after_first=cut_after_first
@@ -338,6 +352,10 @@ class Client:
             res.empty = not st.finish_reason or (not st.text and st.finish_reason == "length")
             ref = self.refs.get(i)
             res.wrong = ref is not None and max_tokens == GEN_TOKENS and ref[1] != st.text
+            if res.wrong:
+                assert ref is not None
+                res.error = f"prompt {i}: streamed text {st.text!r}, reference {ref[1]!r}"
+                log.warning("wrong answer: %s", res.error)
         else:
             res.kind, res.error = "lost", "stream ended without [DONE] or an error event"
 
@@ -394,12 +412,12 @@ class Row:
     recover_s: float | None = None
     note: str = ""
     bars: list[str] = field(default_factory=list)  # bars this row missed (empty: all held)
-    first_bad: str = ""  # the first lost or hung answer's error, for the note
+    first_bad: str = ""  # the first lost, hung or wrong answer's error, for the note
 
     def add(self, results: list[Result], bad_input: bool = False) -> None:
         for r in results:
-            if r.kind in ("lost", "hung") and not self.first_bad:
-                self.first_bad = f"first {r.kind}: {r.error[:120]}"
+            if (r.kind in ("lost", "hung") or r.wrong) and not self.first_bad:
+                self.first_bad = f"first {'wrong' if r.wrong else r.kind}: {r.error[:160]}"
             self.sent += 1
             if r.kind == "ok":
                 self.succeeded += 1

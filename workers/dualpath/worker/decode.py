@@ -12,8 +12,9 @@ For one request:
    scheduler's block index has acknowledged their KV events, so the agent's next turn hits them.
 
 Hit KV that cannot be loaded (a bad or vanished block: the scheduler's index may be stale) is
-never used: the hit ends at the first such block (path D shrinks it in place; path P retries
-with the prefix the prefill node could read) and the rest is recomputed, logged and counted.
+never used: the hit ends at the first such block and the rest is recomputed, logged and counted.
+Either path retries the turn with the prefix that was readable, in fresh buffer regions (a read
+that was closed may still write into its old ones until it returns), validated again.
 """
 
 from __future__ import annotations
@@ -211,10 +212,17 @@ class DecodeRole:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         admitted = False
+        added = False  # the sequence may be in the engine: freed at the end
         outcome = "error"
         try:
-            first = await self._admit(rid, kv, logits, params)
-            admitted = True
+            try:
+                first = await self._admit(rid, kv, logits, params)
+            except asyncio.CancelledError:
+                # an addition already running on the compute thread cannot be cancelled and
+                # adds the sequence anyway: the free below runs after it, on the same thread
+                added = True
+                raise
+            admitted = added = True
             del kv
             self.tokens_running += len(prompt)
             self.requests_running += 1
@@ -246,6 +254,7 @@ class DecodeRole:
             if admitted:
                 self.tokens_running -= len(prompt)
                 self.requests_running -= 1
+            if added:
                 await asyncio.get_running_loop().run_in_executor(
                     self.engine.executor, self.engine.free, rid
                 )
@@ -349,21 +358,12 @@ class DecodeRole:
                 ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
                 handle = self.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
-                if valid < layout.hit_blocks:  # shrink the hit to the valid prefix, same region
-                    handle.close()
-                    log.warning(
-                        "request %s: %d of %d hit blocks unreadable; using %d",
-                        rid,
-                        layout.hit_blocks - valid,
-                        layout.hit_blocks,
-                        valid,
-                    )
-                    metrics.FALLBACKS.labels("short_hit").inc()
-                    layout = RequestLayout.of(model, valid * model.block_tokens, len(prompt))
-                    handle = self.read_queue.submit(ids[:valid], out=hit_region.tensor)
-                    await handle.ready()
-                    if not valid:
-                        path = "none"
+                if valid < layout.hit_blocks:
+                    # the hit ends at the first block that failed validation; the retry reads
+                    # the valid prefix afresh into regions of its own: this read, closed, may
+                    # still be writing its layout into hit_region from a pool thread (the
+                    # region goes back once it returned), and the retry validates again
+                    raise KVLoadError(valid, handle.failed)
             new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
             regions.append(new_region)
             stub = self.worker_stub(req.prefill_address)
