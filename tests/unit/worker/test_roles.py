@@ -22,6 +22,7 @@ from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker.decode import PrefillFailed
 from dualpath.worker.node import NodeOptions, WorkerNode
+from prometheus_client import REGISTRY
 
 BT = 16
 DEADLINE_S = 1.0
@@ -307,6 +308,31 @@ async def test_a_hung_decode_peer_fails_path_p_within_the_deadline(cluster):
     assert loop.time() - t0 < DEADLINE_S + 5  # the transfer deadline ended it
     fabric.heal(decode.transfer.name)
     assert await _all_regions_back(prefill, decode, within_s=DEADLINE_S + 3)
+
+
+@pytest.mark.parametrize("lands_late", [False, True])
+async def test_a_prefill_whose_write_may_still_land_keeps_the_decode_regions_held(
+    cluster, lands_late
+):
+    """The prefill's WRITEs to the decode node miss their deadline. Cancelled, the decode node
+    frees its regions as soon as the error arrives; abandoned still in flight (NIXL would not
+    release their handles), the error says so and the regions stay held for a transfer
+    deadline: the stray bytes land in them, not in another request's."""
+    prefill, decode, store, fabric = cluster
+    ctx, _, clean = await _turn_then_context(prefill, decode, store, seed=23)
+    counted = REGISTRY.get_sample_value("dualpath_worker_writes_in_flight_total") or 0.0
+    fabric.hang(decode.transfer.name, lands_late=lands_late)
+    with pytest.raises(PrefillFailed, match="prefill worker prefill-0 .*INTERNAL"):
+        await _generate(decode, _request(prefill, "stray", ctx, 3 * BT, "prefill"))
+    assert REGISTRY.get_sample_value("dualpath_worker_writes_in_flight_total") == counted + (
+        1 if lands_late else 0
+    )
+    pool = decode.transfer.pool
+    assert pool.regions == (2 if lands_late else 0)  # hit and new regions held, or both back
+    fabric.heal(decode.transfer.name)  # the stray WRITEs land now
+    assert await _all_regions_back(prefill, decode, within_s=DEADLINE_S + 3)
+    tokens, _ = await _generate(decode, _request(prefill, "after", ctx, 3 * BT, "prefill"))
+    assert tokens == clean
 
 
 async def test_a_prefill_node_that_is_down_fails_the_turn_naming_it(cluster):
