@@ -22,6 +22,7 @@ from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker.decode import PrefillFailed
 from dualpath.worker.node import NodeOptions, WorkerNode
+from dualpath.worker.prefill import WRITES_IN_FLIGHT_KEY, HitUnavailable
 from prometheus_client import REGISTRY
 
 BT = 16
@@ -333,6 +334,26 @@ async def test_a_prefill_whose_write_may_still_land_keeps_the_decode_regions_hel
     assert await _all_regions_back(prefill, decode, within_s=DEADLINE_S + 3)
     tokens, _ = await _generate(decode, _request(prefill, "after", ctx, 3 * BT, "prefill"))
     assert tokens == clean
+
+
+async def test_a_refused_hit_keeps_the_decode_regions_held_when_a_write_may_still_land(
+    cluster, monkeypatch
+):
+    """The in-flight mark travels with any error status, the refused hit's too (its valid
+    prefix still reaches the decode node)."""
+    prefill, decode, _, _ = cluster
+
+    async def serve(req, context):  # noqa: ANN001, ANN202
+        context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, "1"),))
+        raise HitUnavailable("blocks gone", valid_tokens=BT)
+
+    monkeypatch.setattr(prefill.prefill, "serve", serve)
+    req = _request(prefill, "refused", [5] * 50, 3 * BT, "prefill")
+    with pytest.raises(HitUnavailable) as caught:
+        await decode.decode._prefill(req, list(req.prompt_tokens), 3 * BT, "prefill")
+    assert caught.value.valid_tokens == BT
+    assert decode.transfer.pool.regions == 2  # held for the deadline, then back
+    assert await _all_regions_back(decode, within_s=DEADLINE_S + 3)
 
 
 async def test_a_prefill_node_that_is_down_fails_the_turn_naming_it(cluster):
