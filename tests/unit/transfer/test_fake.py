@@ -79,9 +79,25 @@ async def test_a_hung_peer_fails_the_write_at_its_deadline(pair):
     region = a.pool.alloc(4096)
     fabric.hang(b.name)
     t0 = time.monotonic()
-    with pytest.raises(TransferError, match="deadline"):
+    with pytest.raises(TransferError, match="deadline") as caught:
         await a.write(name, region.address, 4096, b.pool.address, deadline_s=0.2)
     assert 0.15 < time.monotonic() - t0 < 2 and not a.knows(name)
+    assert not caught.value.in_flight  # a plain hang: the WRITE was cancelled, lands nowhere
+
+
+async def test_a_write_abandoned_in_flight_says_so_and_lands_later(pair):
+    fabric, a, b = pair
+    name = a.add_peer(b.metadata)
+    region = a.pool.alloc(4096)
+    region.tensor.fill_(7)
+    fabric.hang(b.name, lands_late=True)
+    with pytest.raises(TransferError, match="deadline") as caught:
+        await a.write(name, region.address, 4096, b.pool.address, notif=b"r/x", deadline_s=0.1)
+    assert caught.value.in_flight
+    assert int(b.pool.tensor[:4096].sum()) == 0  # not yet
+    fabric.heal(b.name)  # the stray WRITE lands now, data then notification
+    assert bool((b.pool.tensor[:4096] == 7).all())
+    await b.wait_notif(a.name, b"r/x", deadline_s=0.1)
 
 
 async def test_writes_outside_either_buffer_are_refused(pair):

@@ -22,6 +22,8 @@ from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker.decode import PrefillFailed
 from dualpath.worker.node import NodeOptions, WorkerNode
+from dualpath.worker.prefill import WRITES_IN_FLIGHT_KEY, HitUnavailable
+from prometheus_client import REGISTRY
 
 BT = 16
 DEADLINE_S = 1.0
@@ -307,6 +309,51 @@ async def test_a_hung_decode_peer_fails_path_p_within_the_deadline(cluster):
     assert loop.time() - t0 < DEADLINE_S + 5  # the transfer deadline ended it
     fabric.heal(decode.transfer.name)
     assert await _all_regions_back(prefill, decode, within_s=DEADLINE_S + 3)
+
+
+@pytest.mark.parametrize("lands_late", [False, True])
+async def test_a_prefill_whose_write_may_still_land_keeps_the_decode_regions_held(
+    cluster, lands_late
+):
+    """The prefill's WRITEs to the decode node miss their deadline. Cancelled, the decode node
+    frees its regions as soon as the error arrives; abandoned still in flight (NIXL would not
+    release their handles), the error says so and the regions stay held for a transfer
+    deadline: the stray bytes land in them, not in another request's."""
+    prefill, decode, store, fabric = cluster
+    ctx, _, clean = await _turn_then_context(prefill, decode, store, seed=23)
+    counted = REGISTRY.get_sample_value("dualpath_worker_writes_in_flight_total") or 0.0
+    fabric.hang(decode.transfer.name, lands_late=lands_late)
+    with pytest.raises(PrefillFailed, match="prefill worker prefill-0 .*INTERNAL"):
+        await _generate(decode, _request(prefill, "stray", ctx, 3 * BT, "prefill"))
+    assert REGISTRY.get_sample_value("dualpath_worker_writes_in_flight_total") == counted + (
+        1 if lands_late else 0
+    )
+    pool = decode.transfer.pool
+    assert pool.regions == (2 if lands_late else 0)  # hit and new regions held, or both back
+    fabric.heal(decode.transfer.name)  # the stray WRITEs land now
+    assert await _all_regions_back(prefill, decode, within_s=DEADLINE_S + 3)
+    tokens, _ = await _generate(decode, _request(prefill, "after", ctx, 3 * BT, "prefill"))
+    assert tokens == clean
+
+
+async def test_a_refused_hit_keeps_the_decode_regions_held_when_a_write_may_still_land(
+    cluster, monkeypatch
+):
+    """The in-flight mark travels with any error status, the refused hit's too (its valid
+    prefix still reaches the decode node)."""
+    prefill, decode, _, _ = cluster
+
+    async def serve(req, context):  # noqa: ANN001, ANN202
+        context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, "1"),))
+        raise HitUnavailable("blocks gone", valid_tokens=BT)
+
+    monkeypatch.setattr(prefill.prefill, "serve", serve)
+    req = _request(prefill, "refused", [5] * 50, 3 * BT, "prefill")
+    with pytest.raises(HitUnavailable) as caught:
+        await decode.decode._prefill(req, list(req.prompt_tokens), 3 * BT, "prefill")
+    assert caught.value.valid_tokens == BT
+    assert decode.transfer.pool.regions == 2  # held for the deadline, then back
+    assert await _all_regions_back(decode, within_s=DEADLINE_S + 3)
 
 
 async def test_a_prefill_node_that_is_down_fails_the_turn_naming_it(cluster):

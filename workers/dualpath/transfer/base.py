@@ -131,12 +131,12 @@ class TransferBase:
             metrics.WRITE_SECONDS.observe(time.perf_counter() - t0)
         metrics.BYTES.labels(traffic_class=traffic_class).inc(nbytes)
 
-    def _fail(self, peer: str, message: str) -> TransferError:
+    def _fail(self, peer: str, message: str, in_flight: bool = False) -> TransferError:
         self.stats.failed += 1
         metrics.FAILURES.inc()
-        log.warning("%s", message)
+        log.warning("%s%s", message, " (may still land)" if in_flight else "")
         self.remove_peer(peer)  # the next request reconnects from fresh metadata
-        return TransferError(message)
+        return TransferError(message, in_flight)
 
     # ---- notifications -----------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ Every transfer names its traffic class (`kv` for all KV movement). When the node
 emulated compute link (`network.cnicGbps`), a WRITE first acquires its bytes on the link,
 which shares the NIC between classes by weight. A transfer to a dead or unreachable peer
 fails with `TransferError` within its deadline; the handle is released (or kept for a later
-release if UCX cannot cancel it yet) and the peer is dropped so the next call reconnects.
+release if UCX cannot cancel it yet: the error then says the WRITE may still land,
+`in_flight`) and the peer is dropped so the next call reconnects.
 """
 
 from __future__ import annotations
@@ -138,17 +139,30 @@ class TransferEngine(TransferBase):
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise self._fail(peer, f"WRITE of {nbytes} bytes to {peer} failed (state {state})")
+        except TransferError as err:
+            # released before the error goes out, so it can say whether the WRITE may land yet
+            if handle is not None:
+                h, handle = handle, None
+                if not self._release(h):
+                    err.in_flight = True
+                    log.warning("%s: its handle is not released yet, it may still land", err)
+            raise
         finally:
             if handle is not None:
                 self._release(handle)
 
-    def _release(self, handle) -> None:  # noqa: ANN001
+    def _release(self, handle) -> bool:  # noqa: ANN001
+        """Release a transfer handle; False when NIXL refused (still in flight and not
+        cancellable yet): it is kept and retried later."""
         try:
             self.agent.release_xfer_handle(handle)
+            released = True
         except Exception as err:  # still in flight and not cancellable yet: retry later
             log.debug("xfer handle release deferred: %s", err)
             self._leaked.append(handle)
+            released = False
         self.stats.leaked_handles = len(self._leaked)
+        return released
 
     def _retry_releases(self) -> None:
         still = []

@@ -11,7 +11,9 @@ peers, deadlines, notifications and failure accounting are `transfer.base`'s, th
 engine runs too. Faults a test sets on the fabric: `kill(name)` (a dead peer: WRITEs to it fail
 at once, nothing it would send arrives, so waits end at their deadline) and `hang(name)` (an
 unreachable peer: WRITEs to it stall until their deadline). Both fail with `TransferError` and
-drop the peer, as the NIXL engine does.
+drop the peer, as the NIXL engine does. `hang(name, lands_late=True)`: the stalled WRITEs are
+abandoned at their deadline without being cancelled (NIXL refused to release their handles),
+fail with `TransferError(in_flight=True)` and land, data then notification, at `heal(name)`.
 
 It lives in the runtime package, not under tests/, because it is the contract's second
 implementation (as vLLM's and LMCache's in-memory connectors are): any package's tests, and
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 from dualpath.transfer.base import TransferBase
 from dualpath.transfer.pool import BufferPool
@@ -38,18 +41,27 @@ class MemoryFabric:
         self.engines: dict[str, MemoryTransfer] = {}
         self.dead: set[str] = set()
         self.hung: set[str] = set()
+        self.lands_late: set[str] = set()
+        self.strays: dict[str, list[Callable[[], None]]] = {}  # peer -> abandoned WRITEs
 
     def kill(self, name: str) -> None:
         """`name` is dead: WRITEs to it fail at once; its own WRITEs never land."""
         self.dead.add(name)
 
-    def hang(self, name: str) -> None:
-        """`name` is unreachable: WRITEs to it stall until their deadline."""
+    def hang(self, name: str, lands_late: bool = False) -> None:
+        """`name` is unreachable: WRITEs to it stall until their deadline. `lands_late`: they
+        are abandoned there still in flight, and land when `name` is healed."""
         self.hung.add(name)
+        if lands_late:
+            self.lands_late.add(name)
 
     def heal(self, name: str) -> None:
+        """`name` is reachable again; the WRITEs abandoned in flight to it land now."""
         self.dead.discard(name)
         self.hung.discard(name)
+        self.lands_late.discard(name)
+        for land in self.strays.pop(name, []):
+            land()
 
 
 class MemoryTransfer(TransferBase):
@@ -84,19 +96,34 @@ class MemoryTransfer(TransferBase):
             raise self._fail(peer, f"WRITE of {nbytes} bytes to {peer} failed: peer is gone")
         if self.name in self.fabric.dead:  # a dead sender's bytes go nowhere
             return
-        if peer in self.fabric.hung:
-            await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
-            raise self._fail(
-                peer,
-                f"WRITE of {nbytes} bytes to {peer} did not complete within its "
-                "deadline (peer dead or unreachable)",
-            )
         at = dst - target.pool.address
         if not 0 <= at <= target.pool.nbytes - nbytes:
             raise self._fail(peer, f"WRITE of {nbytes} bytes to {peer}: outside its buffer")
         s = src - self.pool.address
+        if peer in self.fabric.hung:
+            await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
+            late = peer in self.fabric.lands_late
+            if late:
+                data = self.pool.tensor[s : s + nbytes].clone()
+                self.fabric.strays.setdefault(peer, []).append(
+                    lambda: self._land(target, at, data, notif)
+                )
+            raise self._fail(
+                peer,
+                f"WRITE of {nbytes} bytes to {peer} did not complete within its "
+                "deadline (peer dead or unreachable)",
+                in_flight=late,
+            )
         target.pool.tensor[at : at + nbytes] = self.pool.tensor[s : s + nbytes]
         await asyncio.sleep(0)  # a real WRITE yields while the data moves
+        if notif:
+            target._deliver(self.name, notif)
+
+    def _land(self, target: MemoryTransfer, at: int, data, notif: bytes) -> None:  # noqa: ANN001
+        """An abandoned WRITE lands after all (unless the peer has closed)."""
+        if target._closed:
+            return
+        target.pool.tensor[at : at + data.numel()] = data
         if notif:
             target._deliver(self.name, notif)
 

@@ -9,7 +9,9 @@ peers, deadlines, notifications and failures behave the same in both:
 - `write` raises `TransferError` when the engine is closed, the peer unknown, dead or
   unreachable, or the WRITE misses its deadline; a failed peer is dropped (`knows` turns
   False) so the next request reconnects from fresh metadata. A source outside the registered
-  buffer is a `ValueError` (a bug, not a transfer failure).
+  buffer is a `ValueError` (a bug, not a transfer failure). A failed WRITE the transport
+  could not cancel may still land in the peer's buffer: its error says so (`in_flight`), and
+  whoever owns the peer's regions must not reuse them before the WRITE's deadline.
 - `wait_notif` returns at once for a notification that already arrived, else waits for it and
   raises `TransferError` at its deadline ("did not arrive": the peer is dead or unreachable).
 """
@@ -23,7 +25,13 @@ from dualpath.transfer.pool import BufferPool
 
 
 class TransferError(RuntimeError):
-    """A KV transfer failed or missed its deadline; the message names the peer and bytes."""
+    """A KV transfer failed or missed its deadline; the message names the peer and bytes.
+    `in_flight`: a WRITE that was abandoned but not cancelled (its handle could not be
+    released), so its bytes may still land in the peer's buffer."""
+
+    def __init__(self, message: str, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 class KVTransfer(Protocol):

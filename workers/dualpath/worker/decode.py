@@ -41,7 +41,12 @@ from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
 from dualpath.worker.kvstream import hit_notif, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
-from dualpath.worker.prefill import PATH_NAMES, VALID_HIT_KEY, HitUnavailable
+from dualpath.worker.prefill import (
+    PATH_NAMES,
+    VALID_HIT_KEY,
+    WRITES_IN_FLIGHT_KEY,
+    HitUnavailable,
+)
 from dualpath.worker.regions import release_regions
 
 log = logging.getLogger(__name__)
@@ -420,10 +425,20 @@ class DecodeRole:
             return kv, logits, layout.hit_tokens, path
         except grpc.aio.AioRpcError as err:
             # a status from the peer (or a broken connection: a dead peer) ends its side; our
-            # own cancel or deadline does not say its WRITEs stopped
-            peer_ended = err.code() not in _LOCAL_CODES
+            # own cancel or deadline does not say its WRITEs stopped, nor does a status that
+            # says one of them was abandoned still in flight
+            trailers = dict(err.trailing_metadata() or ())
+            stray = WRITES_IN_FLIGHT_KEY in trailers
+            peer_ended = err.code() not in _LOCAL_CODES and not stray
+            if stray:
+                log.warning(
+                    "prefill of %s failed with a KV WRITE that may still land here: its "
+                    "regions are held for %.1fs",
+                    rid,
+                    deadline_s,
+                )
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                valid = dict(err.trailing_metadata() or ()).get(VALID_HIT_KEY, "0")
+                valid = trailers.get(VALID_HIT_KEY, "0")
                 raise HitUnavailable(err.details(), int(valid) if valid.isdigit() else 0) from None
             raise PrefillFailed(
                 f"prefill worker {req.prefill_node} ({req.prefill_address}): "

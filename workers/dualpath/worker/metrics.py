@@ -25,6 +25,11 @@ PREFILL_SECONDS = Histogram(
     ["path"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+WRITES_IN_FLIGHT = Counter(
+    "dualpath_worker_writes_in_flight_total",
+    "failed prefills with a KV WRITE to the decode node that may still land (its handle not "
+    "released): the decode node holds the request's regions for a transfer deadline",
+)
 TPOT_SECONDS = Histogram(
     "dualpath_worker_tpot_seconds",
     "time per output token of a finished turn on the decode worker (first token to last, "

@@ -113,7 +113,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"hit KV unavailable: {err}",
-                trailing_metadata=((VALID_HIT_KEY, str(err.valid_tokens)),),
+                # keeps what the role set (a WRITE that may still land: WRITES_IN_FLIGHT_KEY)
+                trailing_metadata=(
+                    (VALID_HIT_KEY, str(err.valid_tokens)),
+                    *(context.trailing_metadata() or ()),
+                ),
             )
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -26,7 +26,7 @@ from dualpath.engine import BatchMember, Engine, PrefillRun
 from dualpath.kv import KVLoadError, block_ids
 from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.kv.queue import ReadQueue
-from dualpath.transfer.protocol import KVTransfer
+from dualpath.transfer.protocol import KVTransfer, TransferError
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
@@ -42,6 +42,8 @@ PATH_NAMES = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
 
 # trailing metadata of a refused Prefill: the hit tokens that were readable (the valid prefix)
 VALID_HIT_KEY = "dualpath-valid-hit-tokens"
+# trailing metadata of a failed Prefill whose KV WRITEs to the decode node may still land there
+WRITES_IN_FLIGHT_KEY = "dualpath-writes-in-flight"
 
 
 class HitUnavailable(RuntimeError):
@@ -137,6 +139,7 @@ class PrefillRole:
         new_tokens = layout.new_tokens
         self.load.tokens_queued += new_tokens
         started = announced = False
+        stray = False  # a WRITE of ours to the decode node may still land (not cancelled)
         regions = []
         handle = None
         t0 = time.perf_counter()
@@ -216,7 +219,8 @@ class PrefillRole:
                     # ended (and their NIXL handles released) before this call's status goes
                     # out: the decode node frees its regions when it sees that status; the
                     # ones already failed too (their error is this call's, not a stray log)
-                    await asyncio.gather(*writes, *forward, return_exceptions=True)
+                    ended = await asyncio.gather(*writes, *forward, return_exceptions=True)
+                    stray = any(isinstance(e, TransferError) and e.in_flight for e in ended)
                 logits = run.logits[-1].float().contiguous()
                 await context.write(
                     wpb.PrefillMessage(
@@ -245,6 +249,15 @@ class PrefillRole:
         except BaseException:
             metrics.REQUESTS.labels("prefill", path, "error").inc()
             ok = False
+            if stray:  # the decode node must not reuse its regions before our WRITEs' deadline
+                metrics.WRITES_IN_FLIGHT.inc()
+                log.warning(
+                    "prefill %s failed with a KV WRITE to %s that may still land: the decode "
+                    "node is told to hold its regions",
+                    req.request_id,
+                    peer,
+                )
+                context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, "1"),))
             raise
         else:
             ok = True
