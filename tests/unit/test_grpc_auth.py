@@ -71,3 +71,50 @@ def test_a_missing_or_empty_file_is_refused_naming_the_flag(tmp_path, monkeypatc
 def test_only_health_and_reflection_are_open():
     assert all(s.startswith("/grpc.") for s in OPEN_SERVICES)
     assert not any("dualpath" in s for s in OPEN_SERVICES)
+
+
+async def test_a_channel_waits_for_a_peer_back_up_between_two_reconnect_attempts():
+    """A peer that comes back while the channel backs off: `connected` waits for the next
+    attempt, so the first call reaches it (without the wait it fails "failed to connect");
+    a peer that stays down costs the bounded wait, and False."""
+    import asyncio
+    import socket
+
+    import grpc
+    from dualpath.grpc_auth import CONNECT_WAIT_S, channel, connected
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    ch = channel(address, None)
+    ping = ch.unary_unary("/t.T/Ping")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ping(b"x", timeout=2)  # nobody there: the channel backs off
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not await connected(ch, 0.2)
+    await asyncio.sleep(3.0)  # down a while: the reconnect backoff has grown to its cap
+
+    async def echo(request, context):
+        return request
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "t.T", {"Ping": grpc.unary_unary_rpc_method_handler(echo)}
+            ),
+        )
+    )
+    server.add_insecure_port(address)
+    await server.start()
+    try:
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await connected(ch)
+        assert loop.time() - t0 <= CONNECT_WAIT_S + 0.5
+        assert await ping(b"x", timeout=2) == b"x"
+    finally:
+        await ch.close()
+        await server.stop(None)

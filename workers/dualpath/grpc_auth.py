@@ -23,6 +23,7 @@ first, then removing the old one.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import secrets
@@ -217,6 +218,27 @@ RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+# How long a channel that is not READY may take to connect to a peer that is up: it tries
+# again within the reconnect backoff's cap (RECONNECT_OPTIONS, plus gRPC's 20% jitter).
+CONNECT_WAIT_S = 1.5 * dict(RECONNECT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
+
+
+async def connected(ch: grpc.aio.Channel, wait_s: float = CONNECT_WAIT_S) -> bool:
+    """Wait, at most `wait_s`, for a channel that is not READY to connect; False if it did not.
+
+    A call on a channel between two reconnect attempts fails at once ("failed to connect to all
+    addresses"), also when its peer is back up: a worker restarted after a crash, registered and
+    routed to, failed its first turn that way and was held out by the scheduler's breaker for a
+    cool-down. A dead peer costs its caller this wait, then the call fails as before."""
+    if ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+        return True
+    try:
+        await asyncio.wait_for(ch.channel_ready(), wait_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def channel(

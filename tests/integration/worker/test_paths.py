@@ -209,7 +209,7 @@ async def test_a_tenant_hits_its_own_blocks_and_never_anothers(cluster, decode):
         await _generate(decode, _request(cfg, address, "x", ctx, 0, 0, salt=b"x" * 65))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await (
-            decode.worker_stub(address)
+            (await decode.worker_stub(address))
             .Prefill(
                 wpb.PrefillRequest(request_id="x", prompt_tokens=ctx, cache_salt=b"x" * 65),
                 timeout=10,
@@ -222,14 +222,16 @@ async def test_a_tenant_hits_its_own_blocks_and_never_anothers(cluster, decode):
 
 async def test_transfer_info_names_the_agent_role_and_config(cluster, decode):
     cfg, address = cluster
-    info = await decode.worker_stub(address).GetTransferInfo(wpb.TransferInfoRequest(), timeout=10)
+    info = await (await decode.worker_stub(address)).GetTransferInfo(
+        wpb.TransferInfoRequest(), timeout=10
+    )
     assert info.role == spb.ROLE_PREFILL and info.node_id == "prefill-0"
     assert info.agent.startswith("prefill-0-") and info.metadata
     assert info.config_hash == cfg.config_hash
     # and a prefill sent to a decode node is refused with a clear status
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await (
-            decode.worker_stub(decode.address)
+            (await decode.worker_stub(decode.address))
             .Prefill(wpb.PrefillRequest(request_id="x", prompt_tokens=[5, 6]), timeout=10)
             .read()
         )

@@ -111,3 +111,17 @@ async def test_a_wrong_answer_names_where_it_differs_and_what_served_it() -> Non
     row.add([Result("ok"), res])
     row.judge()
     assert row.bars == ["wrong=1"] and "first wrong: prompt 1: token 1 differs" in row.note
+
+
+def test_the_default_run_directory_gives_a_config_the_workers_accept(tmp_path, monkeypatch):
+    """`dualpath faults` runs in out/faults by default, a relative path: the store in its
+    config must be absolute (a pod's mount path), or `dualpath up` refuses the config."""
+    from pathlib import Path
+
+    from dualpath import config
+    from dualpath.local.faults import fault_config
+
+    monkeypatch.chdir(tmp_path)
+    res = fault_config(Path("out/faults/kv"))
+    cfg = config.from_resource(res)
+    assert cfg.spec.storage.path == str(tmp_path / "out/faults/kv")

@@ -18,7 +18,7 @@ from prometheus_client import Counter
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
-from dualpath.grpc_auth import ClusterToken
+from dualpath.grpc_auth import ClusterToken, connected
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
@@ -115,12 +115,14 @@ class GrpcBackend:
             return False, f"waiting for workers ({len(view.nodes)} registered)"
         return True, f"{len(view.nodes)} nodes, policy {view.policy}"
 
-    def _worker(self, address: str):
+    async def _worker(self, address: str):
+        """The worker's stub, once its channel is connected (a bounded wait: `connected`)."""
         from dualpath.v1 import worker_pb2_grpc
 
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = token_channel(address, self.token)
+        await connected(ch)
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:
@@ -211,7 +213,7 @@ class GrpcBackend:
     async def _stream(self, req: TurnRequest, route) -> AsyncIterator[Event]:  # noqa: ANN001
         from dualpath.v1 import worker_pb2
 
-        call = self._worker(route.decode_address).Generate(
+        call = (await self._worker(route.decode_address)).Generate(
             worker_pb2.GenerateRequest(
                 request_id=route.request_id,
                 session_id=req.session_id,

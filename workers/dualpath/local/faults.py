@@ -82,13 +82,14 @@ RECOVER_BAR_S = {"decode-kill": 5.0, "prefill-kill": 5.0, "scheduler-kill": 10.0
 
 
 def fault_config(storage: Path, capacity_bytes: int = 64 << 20) -> dict:
-    """The suite's DualPathCluster: the tiny model (fast on a CPU), 1 prefill + 2 decode."""
+    """The suite's DualPathCluster: the tiny model (fast on a CPU), 1 prefill + 2 decode; the
+    store at `storage` made absolute (the config's storage.path is every pod's mount path)."""
     res = config.local_default().to_resource()
     spec = res["spec"]
     spec["model"] = {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": 16}
     spec["prefill"]["kvBufferBytes"] = 32 << 20
     spec["decode"]["kvBufferBytes"] = 32 << 20
-    spec["storage"].update(path=str(storage), capacityBytes=capacity_bytes, snicGbps=1)
+    spec["storage"].update(path=str(storage.resolve()), capacityBytes=capacity_bytes, snicGbps=1)
     spec.setdefault("workers", {})["drainSeconds"] = 20
     # admission: at most 24 turns in flight per node (the one prefill node: the cluster); an
     # overload burst beyond is refused with a 429 after the scheduler's queue timeout

@@ -97,7 +97,7 @@ class DecodeRole:
         read_queue: ReadQueue,
         deadline_s: float,
         request_timeout_s: float,
-        worker_stub: Callable[[str], wpb_grpc.WorkerStub],
+        worker_stub: Callable[[str], Awaitable[wpb_grpc.WorkerStub]],
         flush_kv_events: Callable[[], Awaitable[None]],
     ) -> None:
         self.node_id = node_id
@@ -371,7 +371,7 @@ class DecodeRole:
                     raise KVLoadError(valid, handle.failed)
             new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
             regions.append(new_region)
-            stub = self.worker_stub(req.prefill_address)
+            stub = await self.worker_stub(req.prefill_address)
             ex.started = True
             call = stub.Prefill(
                 wpb.PrefillRequest(

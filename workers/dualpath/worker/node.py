@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_auth import ClusterToken, connected, server_interceptors
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
@@ -404,12 +404,14 @@ class WorkerNode:
 
     # ---- helpers for the roles -------------------------------------------------------------
 
-    def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
+    async def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
+        """A peer worker's stub, once its channel is connected (a bounded wait: `connected`)."""
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = token_channel(
                 address, self.opts.token, options=[("grpc.max_receive_message_length", 64 << 20)]
             )
+        await connected(ch)
         return wpb_grpc.WorkerStub(ch)
 
     # ---- stop -------------------------------------------------------------------------------
