@@ -343,6 +343,43 @@ def test_incremental_choice_equals_a_full_scan(view, rounds):
             account(view, request, d)
 
 
+@settings(max_examples=300, deadline=None)
+@given(view=views(), burst=st.lists(requests(), min_size=2, max_size=40))
+def test_a_burst_between_two_heartbeats_equals_a_full_scan_at_every_decision(view, burst):
+    """Decisions and their accounting only, as between two heartbeats: the groups' totals
+    follow the charges without a refresh (`DecodeGroup.charged`), and every pair still equals
+    the full scan's."""
+    policy = get_policy("dualpath")
+    for request in burst:
+        want = scan_pair(request, view)
+        got = pick_pair(request, view)
+        assert (got and (got[0].node_id, got[1].node_id)) == (
+            want and (want[0].node_id, want[1].node_id)
+        )
+        d = policy.decide(request, view)
+        if d is not None:
+            account(view, request, d)
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(), burst=st.lists(requests(), min_size=1, max_size=20))
+def test_a_decode_group_that_is_not_stale_has_the_totals_of_a_refresh(view, burst):
+    """After every charge, each group that did not mark itself stale holds what summing its
+    members again gives."""
+    policy = get_policy("dualpath")
+    for request in burst:
+        d = policy.decide(request, view)
+        if d is None:
+            break
+        account(view, request, d)
+        for pool in view.pools():
+            for g in pool.decode_groups:
+                if not g.stale:
+                    kept = (g.tokens, g.engines, g.most_free)
+                    g.refresh()
+                    assert (g.tokens, g.engines, g.most_free) == kept, g.name
+
+
 def test_a_node_claimed_by_a_second_view_keeps_the_first_one_right():
     """A node ranked by two views' pools reports to the newest; the first falls back to
     recomputing (orphaned) instead of deciding on loads it no longer hears about."""

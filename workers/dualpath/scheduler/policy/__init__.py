@@ -70,13 +70,15 @@ def account(view: ClusterView, request: RouteRequest, decision: Decision) -> Non
         reader._read_pending_bytes += request.hit_bytes
     if p is not None:
         p._tokens_queued += request.new_tokens
+        if p._watch is not None:
+            p._watch.touch(p)
     if d is not None:
-        d._tokens_queued += request.prompt_tokens + request.max_new_tokens
+        tokens, free = request.prompt_tokens + request.max_new_tokens, d._buffer_free_bytes
+        d._tokens_queued += tokens
         d.requests_running += 1
-        d._buffer_free_bytes -= request.context_bytes
-    for n in (p, d):
-        if n is not None and n._watch is not None:
-            n._watch.touch(n)
+        d._buffer_free_bytes = free - request.context_bytes
+        if d._watch is not None:  # its group's totals follow the charge, mostly unsummed
+            d._watch.charged(d, tokens, free)
 
 
 __all__ = [

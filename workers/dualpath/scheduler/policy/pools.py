@@ -12,7 +12,9 @@ slots' private names (`NodeState._tracks_changes`: the public names are properti
   change, O(1) to read, nothing stale left behind (a heap with lazy deletion had to be rebuilt
   now and then, a spike in the p99).
 - `DecodeGroup`: one decode group's totals over its available engines (tokens, engines, most
-  buffer room), recomputed from its few members only after one of them changed.
+  buffer room), recomputed from its few members only after one of them changed. A charge
+  (`policy.account`, every decision) is added to the totals instead (`charged`), unless the
+  engine charged had the most room: then the group is summed again at the next read.
 
 A node reports to one watcher. When another view's pool claims it, the first watcher is
 orphaned (`orphan()`) and recomputes everything on every read: still correct, only as slow as
@@ -65,6 +67,9 @@ class PrefillRanking:
 
     def orphan(self) -> None:
         self.orphaned = True
+
+    def charged(self, node: NodeState, tokens: int, old_free: int) -> None:
+        self.touch(node)  # a node's key is its whole load: placed again
 
     def _rebuild(self) -> None:
         """Read every node again: all of them are placed as if each had changed."""
@@ -122,6 +127,16 @@ class DecodeGroup:
 
     def orphan(self) -> None:
         self.orphaned = self.stale = True  # stale from now on: `refresh` keeps it so
+
+    def charged(self, node: NodeState, tokens: int, old_free: int) -> None:
+        """`node` took a request (`policy.account`): `tokens` more, less room than `old_free`.
+        The totals follow without a refresh, unless it had the most room (then who has it
+        now is not known)."""
+        if self.stale or not node.available:
+            return  # refreshed at the next read anyway; an unavailable engine is not counted
+        self.tokens += tokens
+        if old_free >= self.most_free:
+            self.stale = True
 
     def refresh(self) -> None:
         tok = cnt = 0
