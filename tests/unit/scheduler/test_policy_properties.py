@@ -319,6 +319,19 @@ CHANGES = st.lists(
 )
 
 
+def _decide_as_the_scan_does(policy, request, view):
+    """The incremental pair equals the full scan's over the same loads; then decide and
+    charge it, as the service does."""
+    want = scan_pair(request, view)
+    got = pick_pair(request, view)
+    assert (got and (got[0].node_id, got[1].node_id)) == (
+        want and (want[0].node_id, want[1].node_id)
+    )
+    d = policy.decide(request, view)
+    if d is not None:
+        account(view, request, d)
+
+
 @settings(max_examples=300, deadline=None)
 @given(view=views(), rounds=st.lists(st.tuples(requests(), CHANGES), min_size=1, max_size=6))
 def test_incremental_choice_equals_a_full_scan(view, rounds):
@@ -333,14 +346,7 @@ def test_incremental_choice_equals_a_full_scan(view, rounds):
                 setattr(
                     n, field, bool(value % 2) if field in {"healthy", "draining", "held"} else value
                 )
-        want = scan_pair(request, view)
-        got = pick_pair(request, view)
-        assert (got and (got[0].node_id, got[1].node_id)) == (
-            want and (want[0].node_id, want[1].node_id)
-        )
-        d = policy.decide(request, view)
-        if d is not None:
-            account(view, request, d)
+        _decide_as_the_scan_does(policy, request, view)
 
 
 @settings(max_examples=300, deadline=None)
@@ -351,14 +357,7 @@ def test_a_burst_between_two_heartbeats_equals_a_full_scan_at_every_decision(vie
     the full scan's."""
     policy = get_policy("dualpath")
     for request in burst:
-        want = scan_pair(request, view)
-        got = pick_pair(request, view)
-        assert (got and (got[0].node_id, got[1].node_id)) == (
-            want and (want[0].node_id, want[1].node_id)
-        )
-        d = policy.decide(request, view)
-        if d is not None:
-            account(view, request, d)
+        _decide_as_the_scan_does(policy, request, view)
 
 
 @settings(max_examples=300, deadline=None)
