@@ -181,6 +181,10 @@ async def test_a_hold_of_some_reads_holds_those_and_lets_the_later_ones_pass(mod
     finally:
         release.set()
     await held.done()
+    for _ in range(500):  # its last layer is delivered just before its pool thread returns
+        if not held.busy:
+            break
+        await asyncio.sleep(0.01)
     assert not held.busy and store.waiting(ids[0]) == 0
     with pytest.raises(ValueError, match="reads must be >= 1"):
         store.hold(ids[0], reads=0)
