@@ -26,6 +26,9 @@ from dualpath.config import (
     NAME_MESSAGE,
     PRESET_FIELDS,
     STORAGE_PATH_MESSAGE,
+    VLLM_DTYPE_MESSAGE,
+    VLLM_DTYPES,
+    VLLM_MODEL_MESSAGE,
     ClusterSpec,
     ModelSpec,
 )
@@ -40,6 +43,8 @@ CRD_DIR = ROOT / "crds"
 CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
 
 _PRESETS = repr(sorted(MODEL_PRESETS)).replace("'", '"')
+# workers.engine is optional on the wire (its default is the schema's): guarded with has()
+_NOT_VLLM = "!has(self.workers) || !has(self.workers.engine) || self.workers.engine != 'vllm'"
 
 # CEL rules per schema path (dotted; "" is the object root, "spec" its spec): (rule, message).
 # The pydantic model refuses the same specs (tests/unit/operator/test_crd.py checks both). Rules
@@ -59,6 +64,18 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "self.prefill.replicas == 0 || self.decode.replicas > 0",
             "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands every "
             "request's KV to a decode node",
+        ),
+        (
+            _NOT_VLLM + " || (has(self.workers.vllm) && has(self.workers.vllm.model) && "
+            "type(self.workers.vllm.model) != null_type) || (has(self.model) && "
+            "has(self.model.checkpointPath) && type(self.model.checkpointPath) != null_type)",
+            VLLM_MODEL_MESSAGE,
+        ),
+        (
+            _NOT_VLLM
+            + " || !has(self.model) || !has(self.model.dtype) || self.model.dtype in "
+            + repr(list(VLLM_DTYPES)).replace("'", '"'),
+            VLLM_DTYPE_MESSAGE,
         ),
     ],
     "spec.model": [

@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from dualpath import default_image
 from dualpath.scheduler.policy import POLICY_NAMES
 
 API_GROUP = "dualpath.io"
@@ -145,8 +146,8 @@ class ModelSpec(_Model):
     preset: str | None = "tiny"
     """Named shape filling every dimension not given: tiny, small, llama3-8b, qwen2.5-32b,
     deepseek-v3.2, dsmla-27b; null to give all dimensions explicitly."""
-    image: str = Field(default="ghcr.io/dualpath/dualpath:0.1.0", min_length=1)
-    """Container image of every DualPath process."""
+    image: str = Field(default=default_image(), min_length=1)
+    """Container image of every DualPath process (vLLM workers: workers.vllm.image)."""
     checkpoint_path: str | None = None
     """Local dir with config.json + *.safetensors (Llama/Qwen2); unset: random weights."""
     attention: Literal["gqa", "mla"] = "gqa"
@@ -727,6 +728,49 @@ class FrontendSpec(_Model):
         return self
 
 
+VLLM_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class VllmSpec(_Model):
+    """How a vLLM worker (`workers.engine: vllm`) runs: `vllm serve <model>` with the DualPath
+    KV connector; block size, served name, context length and tensor parallelism come from
+    model.blockTokens, model.name, frontend.maxContextTokens and the pool's gpusPerPod."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=4096)
+    """What `vllm serve` loads: a Hugging Face repo id (downloaded into the pod's cache
+    volume) or an absolute directory in the image; unset: model.checkpointPath."""
+    image: str = Field(default=default_image("vllm"), min_length=1)
+    """Image of the vLLM worker pods (vLLM plus the dualpath package, Dockerfile.vllm); a
+    pool's image overrides it."""
+    gpu_memory_percent: int = Field(default=90, ge=1, le=100)
+    """Share of each GPU's memory vLLM may use, weights and KV cache included
+    (--gpu-memory-utilization); ignored when kvCacheBytes is set."""
+    kv_cache_bytes: int = Field(default=0, ge=0)
+    """KV cache space per GPU (--kv-cache-memory-bytes); 0: what gpuMemoryPercent leaves."""
+    download_cache_bytes: int = Field(default=64 << 30, ge=1 << 20)
+    """Size limit of the pod's writable cache (an emptyDir: Hugging Face downloads, vLLM's
+    compile cache); the root filesystem is read-only."""
+    hf_token_secret_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """Secret (in the cluster's namespace) whose `token` entry is the Hugging Face token for a
+    gated model (HF_TOKEN); unset: none."""
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=64
+    )
+    """More `vllm serve` arguments, appended last (e.g. --enforce-eager, --kv-cache-dtype fp8);
+    never the KV transfer config, which the operator writes."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_kv_transfer(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if arg.split("=", 1)[0] in ("--kv-transfer-config", "--served-model-name"):
+                raise ValueError(
+                    f"workers.vllm.extraArgs must not set {arg.split('=', 1)[0]}: the operator "
+                    "writes it from the cluster spec"
+                )
+        return args
+
+
 class WorkersSpec(_Model):
     """How every worker process (both pools) starts, bounds its waits and drains."""
 
@@ -747,6 +791,11 @@ class WorkersSpec(_Model):
     batch FIFO while the cost model's estimates (calibrated at start-up) fit it, and run as one
     forward, each bit-identical to running alone. 0: one request per compute job. The paper
     uses 300 ms on a GPU; scale it to the hardware (docs/engine.md)."""
+    engine: Literal["dualpath", "vllm"] = "dualpath"
+    """The engine that serves the model on every worker: dualpath (the project's torch engine)
+    or vllm (an unmodified vLLM with the DualPath KV connector, docs/vllm.md)."""
+    vllm: VllmSpec = VllmSpec()
+    """vLLM workers (engine vllm): model, image, GPU memory and KV cache space, extra args."""
     run_as_non_root: bool | None = None
     """Run worker containers as uid 65532; unset: non-root unless they request RDMA devices
     (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for
@@ -790,6 +839,20 @@ class ClusterSpec(_Model):
                 "every request's KV to a decode node"
             )
         return self
+
+    @model_validator(mode="after")
+    def _vllm_can_serve(self) -> ClusterSpec:
+        if self.workers.engine != "vllm":
+            return self
+        if not (self.workers.vllm.model or self.model.checkpoint_path):
+            raise ValueError(VLLM_MODEL_MESSAGE)
+        if self.model.dtype not in VLLM_DTYPES:
+            raise ValueError(VLLM_DTYPE_MESSAGE)
+        return self
+
+    def vllm_model(self) -> str:
+        """What `vllm serve` loads (workers.engine vllm)."""
+        return self.workers.vllm.model or self.model.checkpoint_path or ""
 
     def pool(self, role: Role | str) -> PoolSpec:
         return self.prefill if Role(role) is Role.PREFILL else self.decode
@@ -839,6 +902,15 @@ class ClusterConfig(BaseModel):
             "spec": self.spec.model_dump(mode="json", by_alias=True, exclude_defaults=False),
         }
 
+
+VLLM_MODEL_MESSAGE = (
+    "workers.engine vllm needs a model to serve: set workers.vllm.model (a Hugging Face repo "
+    "id or a directory in the image) or model.checkpointPath"
+)
+VLLM_DTYPE_MESSAGE = (
+    "workers.engine vllm serves model.dtype float16, bfloat16 or float32; for an fp8 KV cache "
+    "keep the weights' dtype and add --kv-cache-dtype fp8 to workers.vllm.extraArgs"
+)
 
 NAME_MESSAGE = (
     f"must be a DNS-1035 label (lowercase letters, digits and '-', starting with "
