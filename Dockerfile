@@ -1,0 +1,47 @@
+# syntax=docker/dockerfile:1
+# The DualPath image (CPU build): one image runs every process (`dualpath operator | scheduler |
+# frontend | worker ...`); GPU nodes use the vLLM variant (Dockerfile.vllm) or a CUDA torch.
+# Build: `make image` (docs/image.md). Read-only-root friendly: nothing is written outside /tmp
+# (the pods mount it writable), runs as uid 65532.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# CPU torch first, from the PyTorch CPU index: PyPI's Linux torch is the multi-GB CUDA build.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+RUN python -m venv /opt/dualpath
+ENV PATH=/opt/dualpath/bin:$PATH
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY workers ./workers
+COPY operator ./operator
+# a wheel install (not editable): the runtime stage copies the venv alone, not /src
+RUN pip install ".[nixl,operator]" \
+ && python -c "import dualpath.cli, dualpath_operator.main, torch; print(torch.__version__)"
+
+FROM ${PYTHON_IMAGE}
+ARG DUALPATH_VERSION=dev
+LABEL org.opencontainers.image.title="dualpath" \
+      org.opencontainers.image.version="${DUALPATH_VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# rdma-core's verbs providers and RDMA CM for UCX's InfiniBand/RoCE transports (NIXL bundles
+# libibverbs and mlx5; other NICs' providers come from here). Pinned to bookworm's release.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ibverbs-providers=44.0-2 librdmacm1=44.0-2 \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/dualpath /opt/dualpath
+# HOME and the caches on /tmp: the only writable path of a read-only root (an emptyDir there)
+ENV PATH=/opt/dualpath/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    MPLCONFIGDIR=/tmp/matplotlib
+USER 65532:65532
+WORKDIR /tmp
+# The pods' command is this entry point (dualpath.process.ENTRY_POINT; tests/unit/test_image.py).
+ENTRYPOINT ["dualpath"]
+CMD ["--help"]
