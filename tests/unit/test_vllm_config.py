@@ -47,13 +47,14 @@ def test_a_local_vllm_worker_gets_its_placement_in_the_connector_config():
     got = ConnectorSettings.from_extra_config(kv["kv_connector_extra_config"])
     assert got == ConnectorSettings(
         config_file="/run/cluster.yaml",
-        scheduler_address="127.0.0.1:40001",
-        node_role="decode",
+        storage="/tmp/kv",
         node_id="decode-0",
+        scheduler="127.0.0.1:40001",
+        node_role="decode",
         advertise_address="127.0.0.1:40123",
-        store_path="/tmp/kv",
         metrics_port=40124,
     )
+    assert kv["engine_id"] == "decode-0"
 
 
 def test_the_control_processes_are_dualpaths_whatever_the_engine():
@@ -76,29 +77,36 @@ def test_memory_percent_is_vllms_fraction():
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.85"
 
 
-def test_the_extra_config_refuses_missing_unknown_and_bad_values():
+def test_the_extra_config_refuses_unknown_keys_and_bad_values():
     good = _settings().to_extra_config()
-    with pytest.raises(ValueError, match=r"missing keys \['store_path'\]"):
-        ConnectorSettings.from_extra_config({k: v for k, v in good.items() if k != "store_path"})
+    assert ConnectorSettings.from_extra_config(good) == _settings()
     with pytest.raises(ValueError, match=r"unknown keys \['nod_id'\]"):
         ConnectorSettings.from_extra_config({**good, "nod_id": "x"})
-    with pytest.raises(ValueError, match="node_id: required"):
-        ConnectorSettings.from_extra_config({**good, "node_id": ""})
+    with pytest.raises(ValueError, match="metrics_port: must be an int"):
+        ConnectorSettings.from_extra_config({**good, "metrics_port": "9090"})
+    with pytest.raises(ValueError, match="storage: must be a string"):
+        ConnectorSettings.from_extra_config({**good, "storage": 5})
     with pytest.raises(ValueError, match="'router'"):
         ConnectorSettings.from_extra_config({**good, "node_role": "router"})
-    # the token file is optional (an unauthenticated scheduler)
-    no_token = {k: v for k, v in good.items() if k != "token_file"}
-    assert ConnectorSettings.from_extra_config(no_token).token_file == ""
+
+
+def test_unset_keys_are_left_out_and_read_back_as_defaults():
+    # a local vLLM with the embedded config and no scheduler: an empty extra config
+    assert ConnectorSettings().to_extra_config() == {}
+    assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
+    short = ConnectorSettings(storage="/kv", node_id="d-0")
+    assert ConnectorSettings.from_extra_config(short.to_extra_config()) == short
+    assert "engine_id" not in kv_transfer_config(ConnectorSettings())
 
 
 def _settings() -> ConnectorSettings:
     return ConnectorSettings(
         config_file="/c",
-        scheduler_address="s:1",
+        scheduler="s:1",
         node_role="prefill",
         node_id="p-0",
         advertise_address="p-0.svc:8000",
-        store_path="/kv",
+        storage="/kv",
         metrics_port=9090,
         token_file="/t",
     )
@@ -107,5 +115,5 @@ def _settings() -> ConnectorSettings:
 def test_the_argument_is_the_config_as_compact_sorted_json():
     s = _settings()
     assert json.loads(kv_transfer_config_arg(s)) == kv_transfer_config(s)
-    assert kv_transfer_config(s)["kv_role"] == "kv_producer"
+    assert kv_transfer_config(s)["kv_role"] == "kv_both"
     assert " " not in kv_transfer_config_arg(s)

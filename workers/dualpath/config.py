@@ -794,12 +794,12 @@ class WorkersSpec(_Model):
     engine: Literal["dualpath", "vllm"] = "dualpath"
     """The engine that serves the model on every worker: dualpath (the project's torch engine)
     or vllm (an unmodified vLLM with the DualPath KV connector, docs/vllm.md)."""
-    vllm: VllmSpec = VllmSpec()
-    """vLLM workers (engine vllm): model, image, GPU memory and KV cache space, extra args."""
     run_as_non_root: bool | None = None
     """Run worker containers as uid 65532; unset: non-root unless they request RDMA devices
     (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for
     root. Non-root with RDMA needs the runtime's memlock ulimit raised (checked at start-up)."""
+    vllm: VllmSpec = VllmSpec()
+    """vLLM workers (engine vllm): model, image, GPU memory and KV cache space, extra args."""
 
     @model_validator(mode="after")
     def _request_covers_transfer(self) -> WorkersSpec:

@@ -146,13 +146,13 @@ def vllm_serve_args(cfg: ClusterConfig, component: Component, at: Placement) -> 
     assert role is not None and at.storage
     settings = ConnectorSettings(
         config_file=at.config_file,
-        scheduler_address=at.scheduler,
-        node_role=role.value,
+        storage=at.storage,
         node_id=at.node_id,
-        advertise_address=f"{at.advertise}:{at.port}",
-        store_path=at.storage,
-        metrics_port=at.metrics_port,
+        scheduler=at.scheduler,
         token_file=at.token_file,
+        node_role=role.value,
+        advertise_address=f"{at.advertise}:{at.port}",
+        metrics_port=at.metrics_port,
     )
     args = [
         "serve",

@@ -54,8 +54,8 @@ def test_the_example_is_admitted_by_the_crd_and_the_model():
     assert config.from_resource(cr).spec.workers.engine == "vllm"
 
 
-@pytest.mark.parametrize("role, kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
-def test_workers_run_vllm_serve_with_the_dualpath_connector(cfg, role, kv_role):
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_run_vllm_serve_with_the_dualpath_connector(cfg, role):
     objs = render(cfg, OWNER)
     c = _container(objs, f"agents-vllm-{role}")
     assert c["image"] == cfg.spec.workers.vllm.image
@@ -71,7 +71,8 @@ def test_workers_run_vllm_serve_with_the_dualpath_connector(cfg, role, kv_role):
     assert kv["kv_connector"] == CONNECTOR_CLASS == "DualPathConnector"
     assert kv["kv_connector_module_path"] == CONNECTOR_MODULE
     assert CONNECTOR_MODULE == "dualpath.integrations.vllm.connector"
-    assert kv["kv_role"] == kv_role
+    assert kv["kv_role"] == "kv_both"  # every node loads hits and saves new blocks
+    assert kv["kv_load_failure_policy"] == "recompute"
     settings = ConnectorSettings.from_extra_config(kv["kv_connector_extra_config"])
     assert settings.node_role == role
     # $(POD_NAME) is expanded by the kubelet, from the env the container defines
@@ -79,12 +80,12 @@ def test_workers_run_vllm_serve_with_the_dualpath_connector(cfg, role, kv_role):
     assert any(e["name"] == "POD_NAME" for e in c["env"])
     # the scheduler's Service, the worker's own headless Service and port, the KV mount
     sched = _workload(objs, "Service", "agents-vllm-scheduler")["spec"]["ports"][0]["port"]
-    assert settings.scheduler_address == f"agents-vllm-scheduler:{sched}"
+    assert settings.scheduler == f"agents-vllm-scheduler:{sched}"
     http = next(p for p in c["ports"] if p["name"] == "http")["containerPort"]
     assert settings.advertise_address == f"$(POD_NAME).agents-vllm-{role}:{http}"
     assert _flag(args, "--port") == str(http)
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert settings.store_path == mounts["kv-store"] == cfg.spec.storage.path
+    assert settings.storage == mounts["kv-store"] == cfg.spec.storage.path
     assert settings.config_file.startswith(mounts["config"] + "/")
     assert settings.token_file.startswith(mounts["cluster-token"] + "/")
     metrics = next(p for p in c["ports"] if p["name"] == "metrics")["containerPort"]
@@ -215,4 +216,5 @@ def test_the_rendered_args_parse_with_vllms_own_parser(cfg):
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args[2:])
     kv = ns.kv_transfer_config
     kv = kv if isinstance(kv, KVTransferConfig) else KVTransferConfig(**json.loads(kv))
-    assert kv.kv_connector == CONNECTOR_CLASS and kv.kv_role == "kv_producer"
+    assert kv.kv_connector == CONNECTOR_CLASS and kv.kv_role == "kv_both"
+    assert kv.kv_connector_extra_config["node_role"] == "prefill"

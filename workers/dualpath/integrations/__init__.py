@@ -1,1 +1,1 @@
-"""Adapters that run DualPath's KV path inside other serving engines (vLLM: `integrations.vllm`)."""
+"""DualPath inside other engines: the KV connector and tools of each (vllm/)."""
