@@ -7,20 +7,21 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 # CPU torch first, from the PyTorch CPU index: PyPI's Linux torch is the multi-GB CUDA build.
-ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 RUN python -m venv /opt/dualpath
 ENV PATH=/opt/dualpath/bin:$PATH
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# every package pinned to the versions the test suite ran with (`make image-lock`)
+COPY image-constraints.txt ./
+RUN pip install --index-url "${TORCH_INDEX_URL}" --constraint image-constraints.txt torch
 COPY pyproject.toml README.md ./
 COPY workers ./workers
 COPY operator ./operator
 # a wheel install (not editable): the runtime stage copies the venv alone, not /src
-RUN pip install ".[nixl,operator]" \
+RUN pip install --constraint image-constraints.txt ".[nixl,operator]" \
  && python -c "import dualpath.cli, dualpath_operator.main, torch; print(torch.__version__)"
 
 FROM ${PYTHON_IMAGE}

@@ -88,10 +88,29 @@ def test_images_run_as_the_pods_non_root_user_with_home_on_the_writable_mount(do
     assert bases and all(":" in b and not b.endswith(":latest") for b in bases)
 
 
-def test_the_cpu_image_installs_the_torch_the_venv_pins():
+def _pins() -> dict[str, str]:
+    lines = (ROOT / "image-constraints.txt").read_text().splitlines()
+    pairs = [ln.split("==", 1) for ln in lines if ln and not ln.startswith("#")]
+    return {name.lower().replace("_", "-"): version for name, version in pairs}
+
+
+def test_the_cpu_image_installs_the_cpu_torch_the_venv_pins():
     makefile = re.search(r"pip install -q torch==([\w.]+)", (ROOT / "Makefile").read_text())
-    dockerfile = re.search(r"ARG TORCH_VERSION=([\w.]+)", (ROOT / "Dockerfile").read_text())
-    assert makefile and dockerfile and makefile.group(1) == dockerfile.group(1)
+    assert makefile and _pins()["torch"] == f"{makefile.group(1)}+cpu"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "/whl/cpu" in dockerfile and "--constraint image-constraints.txt torch" in dockerfile
+
+
+def test_every_package_the_image_installs_is_pinned():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = [*project["dependencies"], *extras["nixl"], *extras["operator"]]
+    names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower() for req in wanted}
+    pins = _pins()
+    assert names and sorted(n for n in names if n.replace("_", "-") not in pins) == []
+    assert "dualpath" not in pins  # the project itself is built from the context
 
 
 def test_version_and_repository_have_one_source():
