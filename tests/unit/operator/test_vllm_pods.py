@@ -218,3 +218,12 @@ def test_the_rendered_args_parse_with_vllms_own_parser(cfg):
     kv = kv if isinstance(kv, KVTransferConfig) else KVTransferConfig(**json.loads(kv))
     assert kv.kv_connector == CONNECTOR_CLASS and kv.kv_role == "kv_both"
     assert kv.kv_connector_extra_config["node_role"] == "prefill"
+
+
+def test_dualpath_render_prints_the_vllm_pods(capsys, cfg):
+    from dualpath.cli import main
+
+    assert main(["render", "-f", str(EXAMPLE), "--uid", OWNER["uid"]]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert docs == render(cfg, OWNER)
+    assert _container(docs, "agents-vllm-decode")["command"] == ["vllm"]
