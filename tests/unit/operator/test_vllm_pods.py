@@ -201,23 +201,34 @@ def test_kv_cache_bytes_replaces_the_memory_share_and_gpus_become_tensor_paralle
 
 
 def test_the_rendered_args_parse_with_vllms_own_parser(cfg):
-    """Where vLLM is installed (scripts/install-vllm.sh): vLLM's `serve` parser and its
-    KVTransferConfig accept what the operator renders."""
+    """Where vLLM is installed (scripts/install-vllm.sh): `vllm serve`'s own parser and checks
+    accept what the operator renders, and read the connector config back as we wrote it."""
     pytest.importorskip("vllm")
     from vllm.config import KVTransferConfig
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.entrypoints.cli.serve import ServeSubcommand
 
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # older vLLM
         from vllm.utils import FlexibleArgumentParser
 
-    args = _container(render(cfg, OWNER), "agents-vllm-prefill")["args"]
-    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args[2:])
+    c = _container(render(cfg, OWNER), "agents-vllm-prefill")
+    assert c["command"] == ["vllm"]
+    parser = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser"))
+    ns = parser.parse_args(c["args"])  # argparse exits on an unknown flag or a bad value
+    serve.validate(ns)
+    assert ns.model_tag == "meta-llama/Llama-3.1-8B-Instruct" and ns.port == 8000
+    assert ns.block_size == 64 and ns.max_model_len == 32768
+    assert ns.served_model_name == [cfg.spec.model.name]
     kv = ns.kv_transfer_config
     kv = kv if isinstance(kv, KVTransferConfig) else KVTransferConfig(**json.loads(kv))
     assert kv.kv_connector == CONNECTOR_CLASS and kv.kv_role == "kv_both"
-    assert kv.kv_connector_extra_config["node_role"] == "prefill"
+    assert kv.kv_connector_module_path == CONNECTOR_MODULE
+    assert kv.is_kv_producer and kv.is_kv_consumer
+    settings = ConnectorSettings.from_extra_config(kv.kv_connector_extra_config)
+    assert settings.node_role == "prefill" and settings.storage == cfg.spec.storage.path
 
 
 def test_dualpath_render_prints_the_vllm_pods(capsys, cfg):
