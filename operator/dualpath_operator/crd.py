@@ -23,6 +23,7 @@ from dualpath.config import (
     MAX_NAME_LENGTH,
     METRICS_PORT,
     MODEL_PRESETS,
+    MODEL_VOLUME_MESSAGE,
     NAME_MESSAGE,
     PRESET_FIELDS,
     STORAGE_PATH_MESSAGE,
@@ -45,6 +46,8 @@ CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
 _PRESETS = repr(sorted(MODEL_PRESETS)).replace("'", '"')
 # workers.engine is optional on the wire (its default is the schema's): guarded with has()
 _NOT_VLLM = "!has(self.workers) || !has(self.workers.engine) || self.workers.engine != 'vllm'"
+# a nullable field given a value (has() is true for an explicit null too)
+_SET = "has({0}) && type({0}) != null_type"
 
 # CEL rules per schema path (dotted; "" is the object root, "spec" its spec): (rule, message).
 # The pydantic model refuses the same specs (tests/unit/operator/test_crd.py checks both). Rules
@@ -66,9 +69,7 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "request's KV to a decode node",
         ),
         (
-            _NOT_VLLM + " || (has(self.workers.vllm) && has(self.workers.vllm.model) && "
-            "type(self.workers.vllm.model) != null_type) || (has(self.model) && "
-            "has(self.model.checkpointPath) && type(self.model.checkpointPath) != null_type)",
+            _NOT_VLLM + " || (has(self.model) && " + _SET.format("self.model.checkpointPath") + ")",
             VLLM_MODEL_MESSAGE,
         ),
         (
@@ -89,6 +90,10 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "!has(self.kvHeads) || !has(self.heads) || self.kvHeads == 0 || "
             "self.heads % self.kvHeads == 0",
             "model.heads must be a multiple of model.kvHeads (grouped-query attention)",
+        ),
+        (
+            f"!({_SET.format('self.volume')}) || ({_SET.format('self.checkpointPath')})",
+            MODEL_VOLUME_MESSAGE,
         ),
     ],
     "spec.storage": [

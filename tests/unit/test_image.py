@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dualpath import IMAGE_REPOSITORY, __version__, config, default_image
-from dualpath.process import ENTRY_POINT, VLLM_ENTRY_POINT
+from dualpath.process import ENTRY_POINT
 from dualpath_operator.builders import render
 from dualpath_operator.builders.pods import NON_ROOT_UID, TMP_MOUNT
 
@@ -44,12 +44,13 @@ def instruction(dockerfile: Path, name: str) -> str:
     return found[-1]  # the last one wins, as in a build
 
 
-def commands(cfg, engine_worker: bool):
+def commands(cfg, vllm_workers: bool):
+    """The rendered containers' commands: of the vLLM worker pods, or of every other pod."""
     for obj in render(cfg, {"name": cfg.name, "uid": "u"}):
         if obj["kind"] in ("StatefulSet", "Deployment"):
             c = obj["spec"]["template"]["spec"]["containers"][0]
             is_vllm = obj["kind"] == "StatefulSet" and cfg.spec.workers.engine == "vllm"
-            if is_vllm == engine_worker:
+            if is_vllm == vllm_workers:
                 yield c["command"]
 
 
@@ -64,7 +65,7 @@ def clusters():
 def test_the_image_entry_point_is_what_every_dualpath_pod_runs(clusters):
     entry = json.loads(instruction(ROOT / "Dockerfile", "ENTRYPOINT"))
     assert entry == list(ENTRY_POINT)
-    rendered = [cmd for cfg in clusters for cmd in commands(cfg, engine_worker=False)]
+    rendered = [cmd for cfg in clusters for cmd in commands(cfg, vllm_workers=False)]
     assert len(rendered) >= 6 and all(cmd == entry for cmd in rendered)
     chart = (ROOT / "charts" / "dualpath" / "templates" / "deployment.yaml").read_text()
     assert json.loads(re.search(r"command: (\[.*\])", chart).group(1)) == entry  # the operator
@@ -72,8 +73,8 @@ def test_the_image_entry_point_is_what_every_dualpath_pod_runs(clusters):
 
 def test_the_vllm_image_entry_point_is_what_vllm_worker_pods_run(clusters):
     entry = json.loads(instruction(ROOT / "Dockerfile.vllm", "ENTRYPOINT"))
-    assert entry == list(VLLM_ENTRY_POINT)
-    rendered = list(commands(clusters[1], engine_worker=True))
+    assert entry == list(ENTRY_POINT)  # `dualpath worker`, which starts `vllm serve` itself
+    rendered = list(commands(clusters[1], vllm_workers=True))
     assert len(rendered) == 2 and all(cmd == entry for cmd in rendered)
 
 

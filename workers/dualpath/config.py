@@ -137,6 +137,75 @@ class RopeScaling(_Model):
         return self
 
 
+# The volume sources a KV directory (storage.volume) or a checkpoint (model.volume) can live on,
+# with the keys each one needs.
+VOLUME_SOURCES: dict[str, tuple[str, ...]] = {
+    "persistentVolumeClaim": ("claimName",),
+    "nfs": ("server", "path"),
+    "hostPath": ("path",),
+    "csi": ("driver",),
+    "cephfs": ("monitors",),
+    "glusterfs": ("endpoints", "path"),
+    "azureFile": ("secretName", "shareName"),
+    "ephemeral": (),
+    "emptyDir": (),
+}
+
+
+def _volume_schema() -> dict[str, Any]:
+    def source(name: str, needs: tuple[str, ...]) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "type": "object",
+            "description": f"A Kubernetes {name} volume source (as in a pod's volumes).",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
+        if needs:
+            node["required"] = list(needs)
+            node["properties"] = {
+                k: {
+                    "type": "array" if k == "monitors" else "string",
+                    "description": f"{k} of the {name} source",
+                }
+                | ({"items": {"type": "string"}} if k == "monitors" else {})
+                for k in needs
+            }
+        return node
+
+    return {
+        "type": "object",
+        "nullable": True,
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": {k: source(k, needs) for k, needs in VOLUME_SOURCES.items()},
+    }
+
+
+def volume_message(field: str) -> str:
+    return f"{field} must have exactly one volume source, one of " + ", ".join(VOLUME_SOURCES)
+
+
+def check_volume_source(volume: dict[str, Any] | None, field: str) -> dict[str, Any] | None:
+    """One volume source of VOLUME_SOURCES with the keys it needs, typed as in _volume_schema."""
+    if volume is None:
+        return None
+    if len(volume) != 1 or next(iter(volume)) not in VOLUME_SOURCES:
+        raise ValueError(f"{volume_message(field)} (got {sorted(volume)})")
+    kind, source = next(iter(volume.items()))
+    if not isinstance(source, dict):
+        raise ValueError(f"{kind} must be a mapping")
+    missing = [k for k in VOLUME_SOURCES[kind] if k not in source]
+    if missing:
+        raise ValueError(f"{kind} needs {', '.join(missing)}")
+    for key in VOLUME_SOURCES[kind]:
+        want = list if key == "monitors" else str
+        if not isinstance(source[key], want):
+            raise ValueError(f"{kind}.{key} must be a {'list' if want is list else 'string'}")
+    return volume
+
+
+MODEL_VOLUME_MESSAGE = "model.volume needs model.checkpointPath: the volume is mounted there"
+
+
 class ModelSpec(_Model):
     """Model dimensions. `preset` fills every dimension not given explicitly."""
 
@@ -150,6 +219,11 @@ class ModelSpec(_Model):
     """Container image of every DualPath process (vLLM workers: workers.vllm.image)."""
     checkpoint_path: str | None = None
     """Local dir with config.json + *.safetensors (Llama/Qwen2); unset: random weights."""
+    volume: Annotated[dict[str, Any] | None, WithJsonSchema(_volume_schema())] = None
+    """Kubernetes volume source holding the checkpoint, mounted read-only at checkpointPath in
+    the worker and frontend pods (the frontend reads its tokenizer): exactly one of
+    persistentVolumeClaim, nfs, hostPath, csi, cephfs, glusterfs, azureFile, ephemeral,
+    emptyDir; unset: the checkpoint is in the image (or there is none)."""
     attention: Literal["gqa", "mla"] = "gqa"
     """gqa (grouped-query, K and V cached) or mla (DeepSeek latent cached). Default: the
     preset's."""
@@ -209,6 +283,17 @@ class ModelSpec(_Model):
             merged[field] = value
         merged["preset"] = preset
         return merged
+
+    @field_validator("volume")
+    @classmethod
+    def _one_source(cls, volume: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_volume_source(volume, "model.volume")
+
+    @model_validator(mode="after")
+    def _volume_needs_a_path(self) -> ModelSpec:
+        if self.volume is not None and not self.checkpoint_path:
+            raise ValueError(MODEL_VOLUME_MESSAGE)
+        return self
 
     @model_validator(mode="after")
     def _check_dims(self) -> ModelSpec:
@@ -408,48 +493,6 @@ class PoolSpec(_Model):
     """Local emulation / simulator: prefill throughput of one node (tokens/s); 0: unknown."""
 
 
-# The volume sources a KV directory can live on, with the keys each one needs.
-VOLUME_SOURCES: dict[str, tuple[str, ...]] = {
-    "persistentVolumeClaim": ("claimName",),
-    "nfs": ("server", "path"),
-    "hostPath": ("path",),
-    "csi": ("driver",),
-    "cephfs": ("monitors",),
-    "glusterfs": ("endpoints", "path"),
-    "azureFile": ("secretName", "shareName"),
-    "ephemeral": (),
-    "emptyDir": (),
-}
-
-
-def _volume_schema() -> dict[str, Any]:
-    def source(name: str, needs: tuple[str, ...]) -> dict[str, Any]:
-        node: dict[str, Any] = {
-            "type": "object",
-            "description": f"A Kubernetes {name} volume source (as in a pod's volumes).",
-            "x-kubernetes-preserve-unknown-fields": True,
-        }
-        if needs:
-            node["required"] = list(needs)
-            node["properties"] = {
-                k: {
-                    "type": "array" if k == "monitors" else "string",
-                    "description": f"{k} of the {name} source",
-                }
-                | ({"items": {"type": "string"}} if k == "monitors" else {})
-                for k in needs
-            }
-        return node
-
-    return {
-        "type": "object",
-        "nullable": True,
-        "minProperties": 1,
-        "maxProperties": 1,
-        "properties": {k: source(k, needs) for k, needs in VOLUME_SOURCES.items()},
-    }
-
-
 class StorageSpec(_Model):
     """Where KV blocks live: a POSIX directory (3FS FUSE, NFS, CephFS, Lustre, local disk)."""
 
@@ -487,27 +530,11 @@ class StorageSpec(_Model):
     @field_validator("volume")
     @classmethod
     def _one_source(cls, volume: dict[str, Any] | None) -> dict[str, Any] | None:
-        if volume is None:
-            return None
-        if len(volume) != 1 or next(iter(volume)) not in VOLUME_SOURCES:
-            raise ValueError(f"{VOLUME_MESSAGE} (got {sorted(volume)})")
-        kind, source = next(iter(volume.items()))
-        if not isinstance(source, dict):
-            raise ValueError(f"{kind} must be a mapping")
-        missing = [k for k in VOLUME_SOURCES[kind] if k not in source]
-        if missing:
-            raise ValueError(f"{kind} needs {', '.join(missing)}")
-        for key in VOLUME_SOURCES[kind]:  # typed as in _volume_schema
-            want = list if key == "monitors" else str
-            if not isinstance(source[key], want):
-                raise ValueError(f"{kind}.{key} must be a {'list' if want is list else 'string'}")
-        return volume
+        return check_volume_source(volume, "storage.volume")
 
 
 STORAGE_PATH_MESSAGE = "storage.path must be an absolute path: it is the mount path in every pod"
-VOLUME_MESSAGE = "storage.volume must have exactly one volume source, one of " + ", ".join(
-    VOLUME_SOURCES
-)
+VOLUME_MESSAGE = volume_message("storage.volume")
 
 
 class TrafficClassSpec(_Model):
@@ -732,43 +759,15 @@ VLLM_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class VllmSpec(_Model):
-    """How a vLLM worker (`workers.engine: vllm`) runs: `vllm serve <model>` with the DualPath
-    KV connector; block size, served name, context length and tensor parallelism come from
-    model.blockTokens, model.name, frontend.maxContextTokens and the pool's gpusPerPod."""
+    """The pods of vLLM workers (`workers.engine: vllm`): each runs `dualpath worker`, which
+    serves on its own `vllm serve` child with the DualPath KV connector (docs/vllm.md)."""
 
-    model: str | None = Field(default=None, min_length=1, max_length=4096)
-    """What `vllm serve` loads: a Hugging Face repo id (downloaded into the pod's cache
-    volume) or an absolute directory in the image; unset: model.checkpointPath."""
     image: str = Field(default=default_image("vllm"), min_length=1)
-    """Image of the vLLM worker pods (vLLM plus the dualpath package, Dockerfile.vllm); a
+    """Image of the vLLM worker pods: vLLM plus the dualpath package (Dockerfile.vllm); a
     pool's image overrides it."""
-    gpu_memory_percent: int = Field(default=90, ge=1, le=100)
-    """Share of each GPU's memory vLLM may use, weights and KV cache included
-    (--gpu-memory-utilization); ignored when kvCacheBytes is set."""
-    kv_cache_bytes: int = Field(default=0, ge=0)
-    """KV cache space per GPU (--kv-cache-memory-bytes); 0: what gpuMemoryPercent leaves."""
-    download_cache_bytes: int = Field(default=64 << 30, ge=1 << 20)
-    """Size limit of the pod's writable cache (an emptyDir: Hugging Face downloads, vLLM's
-    compile cache); the root filesystem is read-only."""
-    hf_token_secret_name: str | None = Field(default=None, min_length=1, max_length=253)
-    """Secret (in the cluster's namespace) whose `token` entry is the Hugging Face token for a
-    gated model (HF_TOKEN); unset: none."""
-    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=list, max_length=64
-    )
-    """More `vllm serve` arguments, appended last (e.g. --enforce-eager, --kv-cache-dtype fp8);
-    never the KV transfer config, which the operator writes."""
-
-    @field_validator("extra_args")
-    @classmethod
-    def _not_kv_transfer(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            if arg.split("=", 1)[0] in ("--kv-transfer-config", "--served-model-name"):
-                raise ValueError(
-                    f"workers.vllm.extraArgs must not set {arg.split('=', 1)[0]}: the operator "
-                    "writes it from the cluster spec"
-                )
-        return args
+    cache_bytes: int = Field(default=8 << 30, ge=1 << 20)
+    """Size limit of a vLLM pod's writable cache (an emptyDir: vLLM's, torch.compile's and
+    Triton's caches); the root filesystem is read-only."""
 
 
 class WorkersSpec(_Model):
@@ -799,7 +798,7 @@ class WorkersSpec(_Model):
     (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for
     root. Non-root with RDMA needs the runtime's memlock ulimit raised (checked at start-up)."""
     vllm: VllmSpec = VllmSpec()
-    """vLLM workers (engine vllm): model, image, GPU memory and KV cache space, extra args."""
+    """vLLM worker pods (engine vllm): image and writable cache."""
 
     @model_validator(mode="after")
     def _request_covers_transfer(self) -> WorkersSpec:
@@ -844,15 +843,11 @@ class ClusterSpec(_Model):
     def _vllm_can_serve(self) -> ClusterSpec:
         if self.workers.engine != "vllm":
             return self
-        if not (self.workers.vllm.model or self.model.checkpoint_path):
+        if not self.model.checkpoint_path:
             raise ValueError(VLLM_MODEL_MESSAGE)
         if self.model.dtype not in VLLM_DTYPES:
             raise ValueError(VLLM_DTYPE_MESSAGE)
         return self
-
-    def vllm_model(self) -> str:
-        """What `vllm serve` loads (workers.engine vllm)."""
-        return self.workers.vllm.model or self.model.checkpoint_path or ""
 
     def pool(self, role: Role | str) -> PoolSpec:
         return self.prefill if Role(role) is Role.PREFILL else self.decode
@@ -904,8 +899,8 @@ class ClusterConfig(BaseModel):
 
 
 VLLM_MODEL_MESSAGE = (
-    "workers.engine vllm needs a model to serve: set workers.vllm.model (a Hugging Face repo "
-    "id or a directory in the image) or model.checkpointPath"
+    "workers.engine vllm needs model.checkpointPath (vLLM serves a checkpoint; the frontend "
+    "tokenizes with its tokenizer.json): a directory in the image, or on model.volume"
 )
 VLLM_DTYPE_MESSAGE = (
     "workers.engine vllm serves model.dtype float16, bfloat16 or float32; for an fp8 KV cache "

@@ -11,10 +11,6 @@ What differs is where a process runs, never what it runs: a pod adds the downwar
 entry point as `python -m dualpath.cli` and adds `--log-level` and OMP_NUM_THREADS=1.
 Worker knobs (timeouts, drain, KV cache size) are read by the worker from `spec.workers`, so they
 are not arguments: the rendered config carries them to pods and local processes alike.
-
-With `spec.workers.engine: vllm` a worker is `vllm serve <model>` instead (docs/vllm.md): its
-placement's port is vLLM's HTTP port, and what the DualPath connector inside it needs (scheduler,
-node id, store) travels in `--kv-transfer-config`, written by `dualpath.integrations.vllm.config`.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.integrations.vllm.config import ConnectorSettings, kv_transfer_config_arg
 
 
 class Component(str, Enum):
@@ -47,8 +42,6 @@ STORAGE_USERS = frozenset({Component.PREFILL, Component.DECODE})
 
 # What runs every process, in every container image (pyproject's console script).
 ENTRY_POINT = ("dualpath",)
-# What runs a vLLM worker (engine vllm): vLLM's own CLI, in the vLLM image (Dockerfile.vllm).
-VLLM_ENTRY_POINT = ("vllm",)
 
 # Seconds a worker needs after its drain to stop its parts (gRPC server, scheduler agent, NIXL,
 # the engine's thread); the pod's grace period adds this to `spec.workers.drainSeconds`.
@@ -111,9 +104,6 @@ def process_command(
     else:
         if not at.node_id or not at.advertise:
             raise ValueError(f"{comp.value}: a worker needs its node id and advertised host")
-        if cfg.spec.workers.engine == "vllm":
-            env["DUALPATH_CONFIG_HASH"] = cfg.config_hash
-            return ProcessCommand(VLLM_ENTRY_POINT, tuple(vllm_serve_args(cfg, comp, at)), env)
         args = [
             "worker",
             "--role",
@@ -134,51 +124,3 @@ def process_command(
     if at.token_file:
         args += ["--token-file", at.token_file]
     return ProcessCommand(ENTRY_POINT, tuple(args), env)
-
-
-def vllm_serve_args(cfg: ClusterConfig, component: Component, at: Placement) -> list[str]:
-    """`vllm serve ...` of one vLLM worker: what vLLM needs from the one config (served name,
-    block size, context length, tensor parallelism over the pod's GPUs, KV cache space) and the
-    DualPath connector's `--kv-transfer-config`; `workers.vllm.extraArgs` last."""
-    spec = cfg.spec
-    vllm = spec.workers.vllm
-    role = component.role
-    assert role is not None and at.storage
-    settings = ConnectorSettings(
-        config_file=at.config_file,
-        storage=at.storage,
-        node_id=at.node_id,
-        scheduler=at.scheduler,
-        token_file=at.token_file,
-        node_role=role.value,
-        advertise_address=f"{at.advertise}:{at.port}",
-        metrics_port=at.metrics_port,
-    )
-    args = [
-        "serve",
-        spec.vllm_model(),
-        "--host",
-        at.host,
-        "--port",
-        str(at.port),
-        "--served-model-name",
-        spec.model.name,
-        # one block is one block on both sides: vLLM's pages are the store's blocks
-        "--block-size",
-        str(spec.model.block_tokens),
-        "--max-model-len",
-        str(spec.frontend.max_context_tokens),
-        "--dtype",
-        spec.model.dtype,
-        "--seed",
-        str(spec.model.seed),
-    ]
-    gpus = spec.pool(role).gpus_per_pod
-    if gpus > 1:
-        args += ["--tensor-parallel-size", str(gpus)]
-    if vllm.kv_cache_bytes:
-        args += ["--kv-cache-memory-bytes", str(vllm.kv_cache_bytes)]
-    else:
-        args += ["--gpu-memory-utilization", f"{vllm.gpu_memory_percent / 100:.2f}"]
-    args += ["--kv-transfer-config", kv_transfer_config_arg(settings)]
-    return [*args, *vllm.extra_args]

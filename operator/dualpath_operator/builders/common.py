@@ -12,8 +12,6 @@ CONFIG_HASH_KEY = "dualpath.io/config-hash"
 CLUSTER_LABEL = "dualpath.io/cluster"
 ROLE_LABEL = "dualpath.io/role"
 WORKER_GRPC_PORT = 50061
-# A vLLM worker's OpenAI-compatible HTTP server (/v1, /health, vLLM's /metrics).
-WORKER_HTTP_PORT = 8000
 FRONTEND_PORT_NAME = "http"
 CONFIG_MOUNT = "/etc/dualpath"
 CONFIG_FILE = f"{CONFIG_MOUNT}/cluster.yaml"
@@ -21,14 +19,6 @@ KV_MOUNT = "/var/lib/dualpath/kv"
 API_KEYS_MOUNT = "/etc/dualpath-api-keys"
 # The cluster token Secret (`<cluster>-token`, key `token`), mounted into every DualPath pod.
 TOKEN_MOUNT = "/etc/dualpath-token"
-
-
-def worker_port(cfg: ClusterConfig) -> tuple[str, int]:
-    """(name, number) of the port the scheduler and the frontend reach a worker on: the DualPath
-    worker's gRPC, or vLLM's HTTP server (`spec.workers.engine`)."""
-    if cfg.spec.workers.engine == "vllm":
-        return ("http", WORKER_HTTP_PORT)
-    return ("grpc", WORKER_GRPC_PORT)
 
 
 def child_name(cfg: ClusterConfig, suffix: str) -> str:

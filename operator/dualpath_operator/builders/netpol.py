@@ -1,7 +1,6 @@
 """NetworkPolicies of one DualPathCluster (`spec.network.policies`, on by default).
 
-Ingress only: the scheduler from this cluster's frontend and workers; the workers (gRPC, or a
-vLLM worker's HTTP port, and,
+Ingress only: the scheduler from this cluster's frontend and workers; the workers (gRPC and,
 between workers, every port: UCX picks its TCP ports at run time) from the scheduler, the
 frontend and each other; the frontend from `frontendFrom` / `frontendFromCidrs` (default: the
 cluster's namespace); the metrics port from the monitoring namespaces. Egress stays open (the
@@ -15,7 +14,7 @@ from typing import Any
 
 from dualpath.config import ClusterConfig, Role
 
-from .common import METRICS_PORT, child_name, metadata, selector_labels, worker_port
+from .common import METRICS_PORT, WORKER_GRPC_PORT, child_name, metadata, selector_labels
 
 WORKER_ROLES = tuple(r.value for r in Role)
 
@@ -98,15 +97,13 @@ def network_policies(cfg: ClusterConfig, owner: dict | None) -> list[dict[str, A
         [
             {
                 "from": [_pods(cfg, "scheduler", "frontend")],
-                "ports": [{"protocol": tcp, "port": worker_port(cfg)[1]}],
+                "ports": [{"protocol": tcp, "port": WORKER_GRPC_PORT}],
             },
             # worker <-> worker: gRPC (metadata, handoffs) and UCX's TCP/shared-memory
             # bootstrap on ports it chooses at run time: every port, between this cluster's
             # workers only
             {"from": [_pods(cfg, *WORKER_ROLES)]},
             _monitoring(cfg, METRICS_PORT),
-            # vLLM serves its own /metrics on its HTTP port
-            *([_monitoring(cfg, worker_port(cfg)[1])] if cfg.spec.workers.engine == "vllm" else []),
         ],
         owner,
     )

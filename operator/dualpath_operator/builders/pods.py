@@ -1,5 +1,5 @@
-"""Pod templates of every DualPath process: one `dualpath` image, one command per role
-(vLLM workers, `spec.workers.engine: vllm`: the vLLM image running `vllm serve`).
+"""Pod templates of every DualPath process: one `dualpath` image, one command per role (vLLM
+workers, `spec.workers.engine: vllm`: the same `dualpath worker` command in the vLLM image).
 
 The command, arguments and process environment come from `dualpath.process.process_command`
 (the function `dualpath up` uses too); this module adds what a pod needs around them: the pod's
@@ -29,9 +29,9 @@ from .common import (
     CONFIG_MOUNT,
     METRICS_PORT,
     TOKEN_MOUNT,
+    WORKER_GRPC_PORT,
     child_name,
     labels,
-    worker_port,
 )
 from .qos import qos_env
 
@@ -43,11 +43,9 @@ NON_ROOT_UID = 65532
 PROBE_PERIOD_SECONDS = 5
 # /livez answers within 2 s (it checks the event loop); the probe waits a little longer.
 LIVENESS_TIMEOUT_SECONDS = 5
-# A vLLM worker's writable cache (the root filesystem is read-only): Hugging Face downloads,
-# vLLM's and Triton's compile caches, and HOME for whatever else writes under it.
+# A vLLM worker's writable cache (the root filesystem is read-only): HOME, vLLM's,
+# torch.compile's and Triton's caches; its `vllm serve` child inherits the environment.
 VLLM_CACHE_MOUNT = "/var/cache/dualpath-vllm"
-# The entry of `spec.workers.vllm.hfTokenSecretName` holding the Hugging Face token.
-HF_TOKEN_KEY = "token"
 
 
 def _downward_env() -> list[dict[str, Any]]:
@@ -116,22 +114,8 @@ def _probe(path: str, port: int | str, **extra: int) -> dict[str, Any]:
 def worker_probes(cfg: ClusterConfig) -> dict[str, dict[str, Any]]:
     """Startup: the model may load for `spec.workers.startupSeconds`; liveness then checks the
     process answers (also while draining); readiness is "model loaded, registered, not draining".
-    A vLLM worker has one endpoint for all three: vLLM's `/health` (its engine is alive).
     """
     startup_checks = math.ceil(cfg.spec.workers.startup_seconds / PROBE_PERIOD_SECONDS)
-    if cfg.spec.workers.engine == "vllm":
-        return {
-            "startupProbe": _probe(
-                "/health",
-                "http",
-                failureThreshold=startup_checks,
-                timeoutSeconds=LIVENESS_TIMEOUT_SECONDS,
-            ),
-            "livenessProbe": _probe(
-                "/health", "http", periodSeconds=10, timeoutSeconds=LIVENESS_TIMEOUT_SECONDS
-            ),
-            "readinessProbe": _probe("/health", "http", timeoutSeconds=LIVENESS_TIMEOUT_SECONDS),
-        }
     return {
         "startupProbe": _probe(
             "/livez",
@@ -162,7 +146,7 @@ def pod_placement(cfg: ClusterConfig, component: Component | str) -> Placement:
         config_file=CONFIG_FILE,
         scheduler=scheduler_address(cfg),
         host="0.0.0.0",
-        port=ports.get(comp, worker_port(cfg)[1]),
+        port=ports.get(comp, WORKER_GRPC_PORT),
         metrics_port=METRICS_PORT,
         storage=cfg.spec.storage.path if uses_storage(comp) else None,
         node_id="$(POD_NAME)" if comp.role else "",
@@ -219,40 +203,38 @@ def _token_volume(cfg: ClusterConfig) -> dict[str, Any]:
     return {"name": "cluster-token", "secret": {"secretName": token_secret_name(cfg)}}
 
 
-def _storage_volume(cfg: ClusterConfig) -> dict[str, Any]:
-    # A shared filesystem (3FS FUSE, NFS, CephFS, Lustre) via the given volume source;
-    # without one each pod gets a scratch dir (reported as a warning condition).
-    source = cfg.spec.storage.volume or {"emptyDir": {}}
-    return {"name": "kv-store", **source}
+def _model_mounts(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    """`spec.model.volume`, read-only at the checkpoint path, where the checkpoint is read:
+    the workers load the weights, the frontend its tokenizer."""
+    model = cfg.spec.model
+    if model.volume is None or component is Component.SCHEDULER:
+        return []
+    return [{"name": "model", "mountPath": model.checkpoint_path, "readOnly": True}]
 
 
-def _vllm_cache_env() -> list[dict[str, str]]:
-    return [
+def _model_volumes(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    if not _model_mounts(cfg, component):
+        return []
+    return [{"name": "model", **(cfg.spec.model.volume or {})}]
+
+
+def _engine_extras(cfg: ClusterConfig) -> tuple[list, list, list]:
+    """(env, volume mounts, volumes) a worker's engine adds: vLLM's writable cache."""
+    if cfg.spec.workers.engine != "vllm":
+        return [], [], []
+    env = [
         {"name": k, "value": v}
         for k, v in (
             ("HOME", VLLM_CACHE_MOUNT),
-            ("HF_HOME", f"{VLLM_CACHE_MOUNT}/huggingface"),
-            ("VLLM_CACHE_ROOT", f"{VLLM_CACHE_MOUNT}/vllm"),
             ("XDG_CACHE_HOME", VLLM_CACHE_MOUNT),
+            ("VLLM_CACHE_ROOT", f"{VLLM_CACHE_MOUNT}/vllm"),
             ("TRITON_CACHE_DIR", f"{VLLM_CACHE_MOUNT}/triton"),
             # no usage reports from inside a cluster (they would leave through the open egress)
             ("VLLM_NO_USAGE_STATS", "1"),
             ("DO_NOT_TRACK", "1"),
         )
     ]
-
-
-def _engine_extras(cfg: ClusterConfig) -> tuple[list, list, list]:
-    """(env, volume mounts, volumes) a worker's engine adds: vLLM's writable cache, and the
-    Hugging Face token of a gated model."""
-    vllm = cfg.spec.workers.vllm
-    if cfg.spec.workers.engine != "vllm":
-        return [], [], []
-    env = _vllm_cache_env()
-    if vllm.hf_token_secret_name:
-        ref = {"name": vllm.hf_token_secret_name, "key": HF_TOKEN_KEY}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
-    size = str(vllm.download_cache_bytes)
+    size = str(cfg.spec.workers.vllm.cache_bytes)
     return (
         env,
         [{"name": "vllm-cache", "mountPath": VLLM_CACHE_MOUNT}],
@@ -261,10 +243,17 @@ def _engine_extras(cfg: ClusterConfig) -> tuple[list, list, list]:
 
 
 def worker_image(cfg: ClusterConfig, role: Role) -> str:
-    """The pool's image, else the engine's (`model.image`, or `workers.vllm.image`)."""
+    """The pool's image, else the engine's: `model.image`, or `workers.vllm.image`."""
     spec = cfg.spec
     engine_image = spec.workers.vllm.image if spec.workers.engine == "vllm" else spec.model.image
     return spec.pool(role).image or engine_image
+
+
+def _storage_volume(cfg: ClusterConfig) -> dict[str, Any]:
+    # A shared filesystem (3FS FUSE, NFS, CephFS, Lustre) via the given volume source;
+    # without one each pod gets a scratch dir (reported as a warning condition).
+    source = cfg.spec.storage.volume or {"emptyDir": {}}
+    return {"name": "kv-store", **source}
 
 
 def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
@@ -283,7 +272,6 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
     annotations = {CONFIG_HASH_KEY: cfg.config_hash}
     if net.multus_networks:
         annotations["k8s.v1.cni.cncf.io/networks"] = ",".join(net.multus_networks)
-    port_name, port = worker_port(cfg)
     engine_env, engine_mounts, engine_volumes = _engine_extras(cfg)
     container = {
         "name": role.value,
@@ -291,7 +279,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         **_container_command(cfg, comp),
         "ports": [
-            {"name": port_name, "containerPort": port},
+            {"name": "grpc", "containerPort": WORKER_GRPC_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
         ],
         "resources": {k: v for k, v in (("limits", limits), ("requests", requests)) if v},
@@ -303,6 +291,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             _tmp_mount(),
             _token_mount(),
             *_storage_mounts(cfg, comp),
+            *_model_mounts(cfg, comp),
             *engine_mounts,
         ],
         **worker_probes(cfg),
@@ -320,6 +309,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             _tmp_volume(),
             _token_volume(cfg),
             *([_storage_volume(cfg)] if _storage_mounts(cfg, comp) else []),
+            *_model_volumes(cfg, comp),
             *engine_volumes,
         ],
     }
@@ -370,6 +360,7 @@ def control_pod_template(
             _token_mount(),
             *_api_keys_mounts(cfg, component),
             *_storage_mounts(cfg, component),
+            *_model_mounts(cfg, component),
         ],
         **probes,
         "securityContext": container_security(non_root=True),
@@ -388,6 +379,7 @@ def control_pod_template(
                 _token_volume(cfg),
                 *_api_keys_volumes(cfg, component),
                 *([_storage_volume(cfg)] if _storage_mounts(cfg, component) else []),
+                *_model_volumes(cfg, component),
             ],
         },
     }

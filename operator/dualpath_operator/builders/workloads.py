@@ -9,17 +9,16 @@ from dualpath.process import Component
 
 from .common import (
     METRICS_PORT,
+    WORKER_GRPC_PORT,
     child_name,
     metadata,
     selector_labels,
-    worker_port,
 )
 from .pods import control_pod_template, worker_pod_template
 
 
 def worker_service(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
     """Headless: each worker is addressed by its stable pod DNS name."""
-    port_name, port = worker_port(cfg)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -29,7 +28,7 @@ def worker_service(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[s
             "publishNotReadyAddresses": True,
             "selector": selector_labels(cfg, role.value),
             "ports": [
-                {"name": port_name, "port": port, "targetPort": port_name},
+                {"name": "grpc", "port": WORKER_GRPC_PORT, "targetPort": "grpc"},
                 {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"},
             ],
         },

@@ -1,7 +1,7 @@
-"""`workers.engine: vllm`: the operator renders vLLM worker pods (`vllm serve` with the DualPath
-KV connector) that are valid Kubernetes objects and carry the connector's config."""
+"""`workers.engine: vllm`: the operator renders worker pods that run the same `dualpath worker`
+in the vLLM image (the worker serves on its own `vllm serve` child with the DualPath KV
+connector), valid Kubernetes objects, with the checkpoint volume and a writable cache."""
 
-import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -9,17 +9,14 @@ import pytest
 import yaml
 from crdtools import admit
 from dualpath import config
-from dualpath.integrations.vllm.config import (
-    CONNECTOR_CLASS,
-    CONNECTOR_MODULE,
-    ConnectorSettings,
-)
+from dualpath.cli import build_parser
 from dualpath_operator import crd
 from dualpath_operator.builders import render
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "dualpathcluster-vllm.yaml"
 OWNER = {"name": "agents-vllm", "uid": "u-1"}
+ROLES = ("prefill", "decode")
 
 
 @pytest.fixture
@@ -31,13 +28,15 @@ def _workload(objs, kind, name):
     return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
 
 
-def _container(objs, name):
-    kind = "StatefulSet" if name.endswith(("prefill", "decode")) else "Deployment"
-    return _workload(objs, kind, name)["spec"]["template"]["spec"]["containers"][0]
+def _pod(objs, name):
+    kind = "StatefulSet" if name.endswith(ROLES) else "Deployment"
+    return _workload(objs, kind, name)["spec"]["template"]["spec"]
 
 
-def _flag(args, flag):
-    return args[args.index(flag) + 1]
+def _parsed(container):
+    """The container's args as the `dualpath` CLI reads them ($(POD_NAME) stood in)."""
+    args = [a.replace("$(POD_NAME)", "pod-0") for a in container["args"]]
+    return build_parser(args).parse_args(args)
 
 
 @pytest.mark.parametrize("version", ["1.28.0", "1.33.0"])
@@ -54,86 +53,99 @@ def test_the_example_is_admitted_by_the_crd_and_the_model():
     assert config.from_resource(cr).spec.workers.engine == "vllm"
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_workers_run_vllm_serve_with_the_dualpath_connector(cfg, role):
+@pytest.mark.parametrize("role", ROLES)
+def test_vllm_workers_run_dualpath_worker_in_the_vllm_image(cfg, role):
     objs = render(cfg, OWNER)
-    c = _container(objs, f"agents-vllm-{role}")
-    assert c["image"] == cfg.spec.workers.vllm.image
-    assert c["command"] == ["vllm"]
-    args = c["args"]
-    assert args[:2] == ["serve", "meta-llama/Llama-3.1-8B-Instruct"]
-    assert _flag(args, "--served-model-name") == cfg.spec.model.name
-    assert _flag(args, "--block-size") == str(cfg.spec.model.block_tokens)
-    assert _flag(args, "--max-model-len") == "32768"
-    assert args[-1] == "--enable-chunked-prefill"  # extraArgs come last
-
-    kv = json.loads(_flag(args, "--kv-transfer-config"))
-    assert kv["kv_connector"] == CONNECTOR_CLASS == "DualPathConnector"
-    assert kv["kv_connector_module_path"] == CONNECTOR_MODULE
-    assert CONNECTOR_MODULE == "dualpath.integrations.vllm.connector"
-    assert kv["kv_role"] == "kv_both"  # every node loads hits and saves new blocks
-    assert kv["kv_load_failure_policy"] == "recompute"
-    settings = ConnectorSettings.from_extra_config(kv["kv_connector_extra_config"])
-    assert settings.node_role == role
-    # $(POD_NAME) is expanded by the kubelet, from the env the container defines
-    assert settings.node_id == "$(POD_NAME)" == kv["engine_id"]
-    assert any(e["name"] == "POD_NAME" for e in c["env"])
-    # the scheduler's Service, the worker's own headless Service and port, the KV mount
-    sched = _workload(objs, "Service", "agents-vllm-scheduler")["spec"]["ports"][0]["port"]
-    assert settings.scheduler == f"agents-vllm-scheduler:{sched}"
-    http = next(p for p in c["ports"] if p["name"] == "http")["containerPort"]
-    assert settings.advertise_address == f"$(POD_NAME).agents-vllm-{role}:{http}"
-    assert _flag(args, "--port") == str(http)
+    c = _pod(objs, f"agents-vllm-{role}")["containers"][0]
+    assert c["image"] == cfg.spec.workers.vllm.image != cfg.spec.model.image
+    assert c["command"] == ["dualpath"]
+    ns = _parsed(c)
+    # what the worker hands its vLLM child's connector: the config file (engine: vllm is in
+    # it), its node id, the store, the scheduler and the cluster token
+    assert ns.role == role and ns.node_id == "pod-0"
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert settings.storage == mounts["kv-store"] == cfg.spec.storage.path
-    assert settings.config_file.startswith(mounts["config"] + "/")
-    assert settings.token_file.startswith(mounts["cluster-token"] + "/")
-    metrics = next(p for p in c["ports"] if p["name"] == "metrics")["containerPort"]
-    assert settings.metrics_port == metrics
+    assert ns.storage == mounts["kv-store"] == cfg.spec.storage.path
+    assert ns.file.startswith(mounts["config"] + "/")
+    assert ns.token_file.startswith(mounts["cluster-token"] + "/")
+    port = _workload(objs, "Service", "agents-vllm-scheduler")["spec"]["ports"][0]["port"]
+    assert ns.scheduler == f"agents-vllm-scheduler:{port}"
+    cm = _workload(objs, "ConfigMap", "agents-vllm-config")
+    rendered = config.from_resource(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    assert rendered.spec.workers.engine == "vllm" and rendered.config_hash == cfg.config_hash
 
 
-def test_vllm_pods_keep_rdma_qos_storage_and_probe_vllm_health(cfg):
+def test_vllm_pods_keep_rdma_qos_storage_probes_and_get_a_cache(cfg):
     objs = render(cfg, OWNER)
-    for role in ("prefill", "decode"):
-        sts = _workload(objs, "StatefulSet", f"agents-vllm-{role}")
-        pod = sts["spec"]["template"]["spec"]
+    dualpath_cfg = config.ClusterConfig(
+        name=cfg.name,
+        spec=config.parse_spec({**cfg.to_resource()["spec"], "workers": {"engine": "dualpath"}}),
+    )
+    plain = render(dualpath_cfg, OWNER)
+    for role in ROLES:
+        pod = _pod(objs, f"agents-vllm-{role}")
         c = pod["containers"][0]
         rdma = cfg.spec.network.rdma
         assert c["resources"]["limits"][rdma.resource_name] == str(rdma.count)
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["UCX_IB_SL"] == str(cfg.spec.network.qos.kv.service_level)
-        assert env["HF_HOME"].startswith(env["HOME"])
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["kv-store"]["persistentVolumeClaim"]["claimName"] == "kvcache-3fs"
-        assert volumes["vllm-cache"]["emptyDir"]["sizeLimit"] == "68719476736"
+        assert volumes["vllm-cache"]["emptyDir"]["sizeLimit"] == str(16 << 30)
+        cache = next(m for m in c["volumeMounts"] if m["name"] == "vllm-cache")["mountPath"]
+        assert env["HOME"] == cache and env["VLLM_CACHE_ROOT"].startswith(cache + "/")
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-        hf = next(e for e in c["env"] if e["name"] == "HF_TOKEN")
-        assert hf["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
-        annotations = sts["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["k8s.v1.cni.cncf.io/networks"] == "ib-cnic-0,ib-snic-0"
-        svc = _workload(objs, "Service", f"agents-vllm-{role}")
-        assert {"name": "http", "port": 8000, "targetPort": "http"} in svc["spec"]["ports"]
+        # the worker's own ports and probes, as with the DualPath engine: only image, cache
+        # and environment differ
+        other = _pod(plain, f"agents-vllm-{role}")["containers"][0]
+        for key in ("command", "args", "ports", "startupProbe", "readinessProbe", "resources"):
+            assert c[key] == other[key], key
+        assert {e["name"] for e in c["env"]} - {e["name"] for e in other["env"]} == {
+            "HOME",
+            "XDG_CACHE_HOME",
+            "VLLM_CACHE_ROOT",
+            "TRITON_CACHE_DIR",
+            "VLLM_NO_USAGE_STATS",
+            "DO_NOT_TRACK",
+        }
 
 
-def test_the_scheduler_and_frontend_stay_dualpath_and_reach_the_vllm_port(cfg):
-    from dualpath.cli import build_parser
+def test_the_checkpoint_volume_is_read_only_at_the_checkpoint_path_where_it_is_read(cfg):
+    objs = render(cfg, OWNER)
+    for name in ("agents-vllm-prefill", "agents-vllm-decode", "agents-vllm-frontend"):
+        pod = _pod(objs, name)
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": cfg.spec.model.checkpoint_path} | {
+            "readOnly": True
+        }
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "llama-3.1-8b-instruct"}
+    sched = _pod(objs, "agents-vllm-scheduler")
+    assert all(v["name"] != "model" for v in sched["volumes"])  # it never reads the checkpoint
 
+
+def test_the_scheduler_and_frontend_stay_on_the_dualpath_image(cfg):
     objs = render(cfg, OWNER)
     for name in ("agents-vllm-scheduler", "agents-vllm-frontend"):
-        c = _container(objs, name)
+        c = _pod(objs, name)["containers"][0]
         assert c["command"] == ["dualpath"] and c["image"] == cfg.spec.model.image
-        assert build_parser(c["args"]).parse_args(c["args"])._command
-    workers_policy = _workload(objs, "NetworkPolicy", "agents-vllm-workers")
-    from_control = workers_policy["spec"]["ingress"][0]
-    assert from_control["ports"] == [{"protocol": "TCP", "port": 8000}]
+        assert _parsed(c)._command
 
 
-def test_the_engine_setting_rolls_the_worker_pods(cfg):
+def test_a_pools_image_overrides_the_vllm_image(cfg):
     spec = cfg.to_resource()["spec"]
-    spec["workers"]["vllm"]["extraArgs"] = ["--enforce-eager"]
+    spec["decode"]["image"] = "registry.example.com/dp:custom"
+    other = config.ClusterConfig(name=cfg.name, spec=config.parse_spec(spec))
+    objs = render(other, OWNER)
+    assert _pod(objs, "agents-vllm-decode")["containers"][0]["image"] == spec["decode"]["image"]
+    assert (
+        _pod(objs, "agents-vllm-prefill")["containers"][0]["image"] == other.spec.workers.vllm.image
+    )
+
+
+def test_the_engine_rolls_the_worker_pods(cfg):
+    spec = cfg.to_resource()["spec"]
+    spec["workers"]["engine"] = "dualpath"
     other = config.ClusterConfig(name=cfg.name, spec=config.parse_spec(spec))
     assert other.config_hash != cfg.config_hash
 
@@ -147,19 +159,24 @@ def _cr(spec):
     }
 
 
+PVC = {"persistentVolumeClaim": {"claimName": "m"}}
+
+
 @pytest.mark.parametrize(
     "spec, needle",
     [
-        ({"workers": {"engine": "vllm"}}, "needs a model to serve"),
-        ({"workers": {"engine": "vllm", "vllm": {"model": None}}}, "needs a model to serve"),
+        ({"workers": {"engine": "vllm"}}, "needs model.checkpointPath"),
+        ({"workers": {"engine": "vllm"}, "model": {"checkpointPath": None}}, "checkpointPath"),
         (
-            {"workers": {"engine": "vllm", "vllm": {"model": "m"}}, "model": {"dtype": "float8"}},
+            {"workers": {"engine": "vllm"}, "model": {"checkpointPath": "/m", "dtype": "float8"}},
             "float16, bfloat16 or float32",
         ),
         ({"workers": {"engine": "sglang"}}, "engine"),
+        ({"model": {"volume": PVC}}, "model.volume needs model.checkpointPath"),
+        ({"model": {"checkpointPath": "/m", "volume": {"nfz": {}}}}, "volume"),
     ],
 )
-def test_a_vllm_cluster_that_cannot_serve_is_refused_by_api_server_and_model(spec, needle):
+def test_specs_that_cannot_work_are_refused_by_api_server_and_model(spec, needle):
     errors = admit(_cr(spec), crd.cluster_crd())
     assert errors and any(needle in e for e in errors), errors
     with pytest.raises(config.ConfigError, match=needle):
@@ -169,66 +186,15 @@ def test_a_vllm_cluster_that_cannot_serve_is_refused_by_api_server_and_model(spe
 @pytest.mark.parametrize(
     "spec",
     [
-        {"workers": {"engine": "vllm", "vllm": {"model": "org/m"}}},
         {"workers": {"engine": "vllm"}, "model": {"checkpointPath": "/models/m"}},
         {"workers": {"engine": "dualpath"}, "model": {"dtype": "float8"}},
-        {"workers": {"vllm": {"gpuMemoryPercent": 50}}},
+        {"workers": {"vllm": {"cacheBytes": 1 << 30}}},
+        {"model": {"checkpointPath": "/m", "volume": {"nfs": {"server": "s", "path": "/m"}}}},
     ],
 )
-def test_servable_specs_are_admitted(spec):
+def test_specs_that_work_are_admitted(spec):
     assert admit(_cr(spec), crd.cluster_crd()) == []
     config.from_resource(_cr(spec))
-
-
-def test_extra_args_may_not_replace_the_connector_config():
-    spec = {"workers": {"engine": "vllm", "vllm": {"model": "m", "extraArgs": ["--x"]}}}
-    spec["workers"]["vllm"]["extraArgs"] = ["--kv-transfer-config={}"]
-    with pytest.raises(config.ConfigError, match="must not set --kv-transfer-config"):
-        config.from_resource(_cr(spec))
-
-
-def test_kv_cache_bytes_replaces_the_memory_share_and_gpus_become_tensor_parallelism(cfg):
-    spec = cfg.to_resource()["spec"]
-    spec["workers"]["vllm"]["kvCacheBytes"] = 8 << 30
-    spec["decode"]["gpusPerPod"] = 4
-    other = config.ClusterConfig(name=cfg.name, spec=config.parse_spec(spec))
-    args = _container(render(other, OWNER), "agents-vllm-decode")["args"]
-    assert _flag(args, "--kv-cache-memory-bytes") == str(8 << 30)
-    assert "--gpu-memory-utilization" not in args
-    assert _flag(args, "--tensor-parallel-size") == "4"
-    prefill = _container(render(other, OWNER), "agents-vllm-prefill")["args"]
-    assert "--tensor-parallel-size" not in prefill  # 1 GPU
-
-
-def test_the_rendered_args_parse_with_vllms_own_parser(cfg):
-    """Where vLLM is installed (scripts/install-vllm.sh): `vllm serve`'s own parser and checks
-    accept what the operator renders, and read the connector config back as we wrote it."""
-    pytest.importorskip("vllm")
-    from vllm.config import KVTransferConfig
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # older vLLM
-        from vllm.utils import FlexibleArgumentParser
-
-    c = _container(render(cfg, OWNER), "agents-vllm-prefill")
-    assert c["command"] == ["vllm"]
-    parser = FlexibleArgumentParser(prog="vllm")
-    serve = ServeSubcommand()
-    serve.subparser_init(parser.add_subparsers(dest="subparser"))
-    ns = parser.parse_args(c["args"])  # argparse exits on an unknown flag or a bad value
-    serve.validate(ns)
-    assert ns.model_tag == "meta-llama/Llama-3.1-8B-Instruct" and ns.port == 8000
-    assert ns.block_size == 64 and ns.max_model_len == 32768
-    assert ns.served_model_name == [cfg.spec.model.name]
-    kv = ns.kv_transfer_config
-    kv = kv if isinstance(kv, KVTransferConfig) else KVTransferConfig(**json.loads(kv))
-    assert kv.kv_connector == CONNECTOR_CLASS and kv.kv_role == "kv_both"
-    assert kv.kv_connector_module_path == CONNECTOR_MODULE
-    assert kv.is_kv_producer and kv.is_kv_consumer
-    settings = ConnectorSettings.from_extra_config(kv.kv_connector_extra_config)
-    assert settings.node_role == "prefill" and settings.storage == cfg.spec.storage.path
 
 
 def test_dualpath_render_prints_the_vllm_pods(capsys, cfg):
@@ -237,4 +203,5 @@ def test_dualpath_render_prints_the_vllm_pods(capsys, cfg):
     assert main(["render", "-f", str(EXAMPLE), "--uid", OWNER["uid"]]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert docs == render(cfg, OWNER)
-    assert _container(docs, "agents-vllm-decode")["command"] == ["vllm"]
+    c = _pod(docs, "agents-vllm-decode")["containers"][0]
+    assert c["image"].endswith("-vllm") and c["args"][0] == "worker"

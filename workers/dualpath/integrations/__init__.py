@@ -1,1 +1,0 @@
-"""DualPath inside other engines: the KV connector and tools of each (vllm/)."""
