@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (and with PUSH=1 push) the DualPath image with whichever builder this machine has:
 # docker, podman, buildah, nerdctl, or kaniko's /kaniko/executor (BUILDER=... picks one).
-#   ENGINE=dualpath (Dockerfile, CPU) | vllm (Dockerfile.vllm: vLLM's image + dualpath)
+#   ENGINE=dualpath (the CPU image) | vllm (the same plus vLLM's CPU build), tagged <version>-vllm
 #   IMAGE=registry/name:tag   default: dualpath.default_image(ENGINE), the one source of the
 #                             repository and version (workers/dualpath/__init__.py)
 # Exit 2 with a message when no builder is found or ENGINE is unknown (docs/image.md).
@@ -10,9 +10,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENGINE=${ENGINE:-dualpath}
 PUSH=${PUSH:-0}
 PY=${PY:-python3}
+FILE=Dockerfile
 case "$ENGINE" in
-  dualpath) FILE=Dockerfile ;;
-  vllm) FILE=Dockerfile.vllm ;;
+  dualpath | vllm) ;;
   *) echo "build-image: ENGINE must be dualpath or vllm (got '$ENGINE')" >&2; exit 2 ;;
 esac
 read -r DEFAULT VERSION < <(PYTHONPATH="$ROOT/workers" "$PY" -c \
@@ -46,7 +46,8 @@ if [ -z "$BUILDER" ]; then
   exit 2
 fi
 
-ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" --build-arg "DUALPATH_VERSION=$VERSION")
+BUILD_ARGS=(--build-arg "DUALPATH_VERSION=$VERSION" --build-arg "ENGINE=$ENGINE")
+ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}")
 case "$BUILDER" in
   docker | podman | nerdctl | buildah)
     BUILD=("$BUILDER" build "${ARGS[@]}" "$ROOT")
@@ -54,7 +55,7 @@ case "$BUILDER" in
     ;;
   kaniko)
     BUILD=(/kaniko/executor --context "dir://$ROOT" --dockerfile "$ROOT/$FILE"
-      --destination "$IMAGE" --build-arg "DUALPATH_VERSION=$VERSION")
+      --destination "$IMAGE" "${BUILD_ARGS[@]}")
     [ "$PUSH" = 1 ] || BUILD+=(--no-push)
     PUSH_CMD=()
     ;;

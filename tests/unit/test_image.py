@@ -71,20 +71,23 @@ def test_the_image_entry_point_is_what_every_dualpath_pod_runs(clusters):
     assert json.loads(re.search(r"command: (\[.*\])", chart).group(1)) == entry  # the operator
 
 
-def test_the_vllm_image_entry_point_is_what_vllm_worker_pods_run(clusters):
-    entry = json.loads(instruction(ROOT / "Dockerfile.vllm", "ENTRYPOINT"))
-    assert entry == list(ENTRY_POINT)  # `dualpath worker`, which starts `vllm serve` itself
+def test_vllm_worker_pods_run_the_same_entry_point_in_the_vllm_build(clusters):
+    entry = json.loads(instruction(ROOT / "Dockerfile", "ENTRYPOINT"))
     rendered = list(commands(clusters[1], vllm_workers=True))
-    assert len(rendered) == 2 and all(cmd == entry for cmd in rendered)
+    assert len(rendered) == 2 and all(cmd == entry for cmd in rendered)  # `dualpath worker`
+    # ENGINE=vllm installs vLLM into the venv the runtime stage copies, next to `dualpath`
+    # (the worker starts the `vllm` beside its interpreter)
+    build = (ROOT / "Dockerfile").read_text()
+    assert "vllm) bash scripts/install-vllm.sh /opt/dualpath ;;" in build
+    assert "COPY --from=build /opt/dualpath /opt/dualpath" in build
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.vllm"])
-def test_images_run_as_the_pods_non_root_user_with_home_on_the_writable_mount(dockerfile):
-    path = ROOT / dockerfile
+def test_the_image_runs_as_the_pods_non_root_user_with_home_on_the_writable_mount():
+    path = ROOT / "Dockerfile"
     assert instruction(path, "USER") == f"{NON_ROOT_UID}:{NON_ROOT_UID}"
     env = instruction(path, "ENV")
     assert re.search(rf"\bHOME={TMP_MOUNT}\b", env), env
-    # pinned bases, never a moving tag
+    # a pinned base, never a moving tag
     bases = re.findall(r"^ARG \w+_IMAGE=(\S+)$", path.read_text(), re.M)
     assert bases and all(":" in b and not b.endswith(":latest") for b in bases)
 
@@ -175,22 +178,24 @@ def test_no_builder_is_exit_2_with_a_message(tmp_path):
 FAKE = 'echo "$*" >> "$LOG"\n'
 
 
-@pytest.mark.parametrize(
-    "engine, dockerfile", [("dualpath", "Dockerfile"), ("vllm", "Dockerfile.vllm")]
-)
-def test_the_first_usable_builder_builds_the_engines_dockerfile_as_the_default_image(
-    tmp_path, engine, dockerfile
-):
+@pytest.mark.parametrize("engine", ["dualpath", "vllm"])
+def test_the_first_usable_builder_builds_the_engines_image_under_the_default_name(tmp_path, engine):
     log = tmp_path / "log"
     bin_dir = _bin(tmp_path, podman=FAKE, buildah=FAKE)
     res = _build(bin_dir, ENGINE=engine, LOG=str(log), PUSH="1")
     assert res.returncode == 0, res.stderr
     calls = log.read_text().splitlines()
     assert calls == [
-        f"build -f {ROOT / dockerfile} -t {default_image(engine)} "
-        f"--build-arg DUALPATH_VERSION={__version__} {ROOT}",
+        f"build -f {ROOT / 'Dockerfile'} -t {default_image(engine)} "
+        f"--build-arg DUALPATH_VERSION={__version__} --build-arg ENGINE={engine} {ROOT}",
         f"push {default_image(engine)}",
     ]
+
+
+def test_an_unknown_engine_is_exit_2(tmp_path):
+    res = _build(_bin(tmp_path, podman=FAKE), ENGINE="sglang", LOG=str(tmp_path / "log"))
+    assert res.returncode == 2 and "ENGINE must be dualpath or vllm" in res.stderr
+    assert not (tmp_path / "log").exists()  # nothing was built
 
 
 def test_a_team_names_its_own_image_and_builder(tmp_path):

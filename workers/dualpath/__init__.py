@@ -8,7 +8,7 @@ against them by tests/unit/test_image.py.
 
 __version__ = "0.1.0"
 IMAGE_REPOSITORY = "ghcr.io/dualpath/dualpath"
-# The vLLM variant (Dockerfile.vllm) is the same repository, tag `<version>-vllm`.
+# The vLLM build (`make image ENGINE=vllm`) is the same repository, tag `<version>-vllm`.
 VLLM_TAG_SUFFIX = "-vllm"
 
 

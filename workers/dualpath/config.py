@@ -763,7 +763,7 @@ class VllmSpec(_Model):
     serves on its own `vllm serve` child with the DualPath KV connector (docs/vllm.md)."""
 
     image: str = Field(default=default_image("vllm"), min_length=1)
-    """Image of the vLLM worker pods: vLLM plus the dualpath package (Dockerfile.vllm); a
+    """Image of the vLLM worker pods: the dualpath image built with ENGINE=vllm (vLLM added); a
     pool's image overrides it."""
     cache_bytes: int = Field(default=8 << 30, ge=1 << 20)
     """Size limit of a vLLM pod's writable cache (an emptyDir: vLLM's, torch.compile's and

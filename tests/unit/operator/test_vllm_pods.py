@@ -76,17 +76,16 @@ def test_vllm_workers_run_dualpath_worker_in_the_vllm_image(cfg, role):
 
 def test_vllm_pods_keep_rdma_qos_storage_probes_and_get_a_cache(cfg):
     objs = render(cfg, OWNER)
-    dualpath_cfg = config.ClusterConfig(
-        name=cfg.name,
-        spec=config.parse_spec({**cfg.to_resource()["spec"], "workers": {"engine": "dualpath"}}),
-    )
+    spec = cfg.to_resource()["spec"]
+    spec["workers"]["engine"] = "dualpath"
+    dualpath_cfg = config.ClusterConfig(name=cfg.name, spec=config.parse_spec(spec))
     plain = render(dualpath_cfg, OWNER)
     for role in ROLES:
         pod = _pod(objs, f"agents-vllm-{role}")
         c = pod["containers"][0]
         rdma = cfg.spec.network.rdma
         assert c["resources"]["limits"][rdma.resource_name] == str(rdma.count)
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert c["resources"]["requests"]["cpu"] == "32"
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["UCX_IB_SL"] == str(cfg.spec.network.qos.kv.service_level)
         volumes = {v["name"]: v for v in pod["volumes"]}
