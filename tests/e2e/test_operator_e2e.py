@@ -186,39 +186,45 @@ def test_0_helm_install_with_its_crds_then_upgrade_and_the_documented_crd_upgrad
                 "chart's crds/ is checked on a cluster without them"
             )
     values = ["--set", "replicaCount=0", "--set", f"operator.watchNamespaces={{{ns}}}"]
-    with step("helm install with the chart's crds/"):
-        run(
-            [HELM, "install", release, chart, "-n", ns, "--create-namespace", *values],
-            timeout_s=300,
-        )
-        kubectl("wait", "--for=condition=Established", *(f"crd/{c}" for c in CRDS), "--timeout=60s")
-    if not present:
-        with step("helm created the CRDs (its field manager owns them)"):
+    try:
+        with step("helm install with the chart's crds/"):
+            run(
+                [HELM, "install", release, chart, "-n", ns, "--create-namespace", *values],
+                timeout_s=300,
+            )
+            kubectl(
+                "wait", "--for=condition=Established", *(f"crd/{c}" for c in CRDS), "--timeout=60s"
+            )
+        if not present:
+            with step("helm created the CRDs (its field manager owns them)"):
+                for c in CRDS:
+                    managers = {
+                        m.get("manager")
+                        for m in json.loads(
+                            kubectl("get", "crd", c, "-o", "json", "--show-managed-fields").stdout
+                        )["metadata"].get("managedFields", [])
+                    }
+                    if "helm" not in managers:
+                        raise StepFailed(f"crd/{c} managed by {sorted(managers)}, not helm")
+        with step("the example is admitted by the installed CRD (server-side dry run)"):
+            kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
+        with step("helm upgrade"):
+            run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
+        with step("the documented CRD upgrade command (docs/operator.md), then helm upgrade"):
+            doc = (ROOT / "docs" / "operator.md").read_text()
+            for cmd in documented_commands(doc, "Upgrading CRDs", "kubectl"):
+                args = [str(ROOT / a) if (ROOT / a).exists() and "/" in a else a for a in cmd[1:]]
+                kubectl(*args)
+            run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
+            kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
+        with step("helm uninstall keeps the CRDs; the namespace is deleted"):
+            run([HELM, "uninstall", release, "-n", ns, "--wait"], timeout_s=300)
             for c in CRDS:
-                managers = {
-                    m.get("manager")
-                    for m in json.loads(kubectl("get", "crd", c, "-o", "json").stdout)[
-                        "metadata"
-                    ].get("managedFields", [])
-                }
-                if "helm" not in managers:
-                    raise StepFailed(f"crd/{c} managed by {sorted(managers)}, not helm")
-    with step("the example is admitted by the installed CRD (server-side dry run)"):
-        kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
-    with step("helm upgrade"):
-        run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
-    with step("the documented CRD upgrade command (docs/operator.md), then helm upgrade"):
-        doc = (ROOT / "docs" / "operator.md").read_text()
-        for cmd in documented_commands(doc, "Upgrading CRDs", "kubectl"):
-            args = [str(ROOT / a) if (ROOT / a).exists() and "/" in a else a for a in cmd[1:]]
-            kubectl(*args)
-        run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
-        kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
-    with step("helm uninstall keeps the CRDs; the namespace is deleted"):
-        run([HELM, "uninstall", release, "-n", ns, "--wait"], timeout_s=300)
-        for c in CRDS:
-            kubectl("get", "crd", c)
-        kubectl("delete", "namespace", ns, "--timeout=120s", timeout_s=150)
+                kubectl("get", "crd", c)
+            kubectl("delete", "namespace", ns, "--timeout=120s", timeout_s=150)
+    finally:  # a failed step leaves no release or namespace behind
+        run([HELM, "uninstall", release, "-n", ns, "--wait"], check=False, timeout_s=300)
+        kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false", check=False)
 
 
 def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operator):
