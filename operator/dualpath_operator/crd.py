@@ -59,7 +59,8 @@ def when_set(rule: str) -> str:
             guard = f"!has(self.{'.'.join(parts[:i])})"
             if guard not in guards:
                 guards.append(guard)
-    body = f"({rule})" if "||" in rule or "&&" in rule else rule
+    # || binds tighter than ?: and looser than && and the comparisons: bracket what could bind
+    body = f"({rule})" if any(op in rule for op in ("||", "&&", "?")) else rule
     return " || ".join([*guards, body])
 
 

@@ -188,6 +188,8 @@ def test_every_rule_that_reads_a_field_holds_on_an_empty_object(path, rules):
         ("!self.enabled || self.model.serviceLevel != self.kv.serviceLevel", None, True),
         ("self.a <= self.b", {"a": 2, "b": 1}, False),
         ("self.a <= self.b", {"a": 1}, True),
+        ("self.a > 0 ? self.b > 0 : true", {"a": 1, "b": 0}, False),
+        ("self.a > 0 ? self.b > 0 : true", {"a": 0}, True),
     ],
 )
 def test_when_set_guards_only_absent_fields(rule, full, verdict):
