@@ -1,7 +1,8 @@
 """Opt-in: the operator against a real API server (`make e2e KUBECONFIG=...`).
 
 Runs `dualpath operator` locally against the cluster and checks, in order, each failure naming
-its step and showing kubectl's stderr: the example applied; a preset spec's config hash equal
+its step and showing kubectl's stderr: `helm install` with the chart's own crds/ (on a cluster
+without them), `helm upgrade` and the CRD upgrade command of docs/operator.md; the example applied; a preset spec's config hash equal
 to `dualpath render`'s; a storm of 50 `kubectl scale dpp/...` with the operator killed and
 restarted twice ending at the last value; an unsafe scale reported; every bad input refused at
 admission or Degraded with a reason; `frontend.replicas: 0` pruned; `kubectl delete dpc` with
@@ -28,6 +29,7 @@ from e2e_lib import (  # noqa: E402
     StepFailed,
     bad_input_outcome,
     condition,
+    documented_commands,
     get_json,
     run,
     shrink_example,
@@ -161,6 +163,68 @@ def replicas_of(ns, role, name=NAME):
         pool.get("spec", {}).get("replicas"),
         sts.get("spec", {}).get("replicas"),
     )
+
+
+CRDS = ("dualpathclusters.dualpath.io", "dualpathpools.dualpath.io")
+
+
+def test_0_helm_install_with_its_crds_then_upgrade_and_the_documented_crd_upgrade():
+    """Runs before the suite applies crds/: on an empty cluster `helm install` creates the CRDs
+    from the chart's crds/ (not --skip-crds). DUALPATH_E2E_FRESH_CRDS=1 (a throwaway cluster
+    only: every DualPath object goes with them) deletes CRDs left by an earlier run first."""
+    ns = f"dualpath-e2e-{uuid.uuid4().hex[:6]}-crds"
+    release = "dualpath-crds-e2e"
+    chart = str(ROOT / "charts" / "dualpath")
+    with step("the CRDs before helm install"):
+        present = [c for c in CRDS if kubectl("get", "crd", c, check=False).returncode == 0]
+        if present and os.environ.get("DUALPATH_E2E_FRESH_CRDS") == "1":
+            kubectl("delete", "crd", *present, "--timeout=120s", timeout_s=150)
+            present = []
+        if present:
+            print(
+                f"CRDs already installed ({present}): helm keeps them; the install from the "
+                "chart's crds/ is checked on a cluster without them"
+            )
+    values = ["--set", "replicaCount=0", "--set", f"operator.watchNamespaces={{{ns}}}"]
+    try:
+        with step("helm install with the chart's crds/"):
+            run(
+                [HELM, "install", release, chart, "-n", ns, "--create-namespace", *values],
+                timeout_s=300,
+            )
+            kubectl(
+                "wait", "--for=condition=Established", *(f"crd/{c}" for c in CRDS), "--timeout=60s"
+            )
+        if not present:
+            with step("helm created the CRDs (its field manager owns them)"):
+                for c in CRDS:
+                    managers = {
+                        m.get("manager")
+                        for m in json.loads(
+                            kubectl("get", "crd", c, "-o", "json", "--show-managed-fields").stdout
+                        )["metadata"].get("managedFields", [])
+                    }
+                    if "helm" not in managers:
+                        raise StepFailed(f"crd/{c} managed by {sorted(managers)}, not helm")
+        with step("the example is admitted by the installed CRD (server-side dry run)"):
+            kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
+        with step("helm upgrade"):
+            run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
+        with step("the documented CRD upgrade command (docs/operator.md), then helm upgrade"):
+            doc = (ROOT / "docs" / "operator.md").read_text()
+            for cmd in documented_commands(doc, "Upgrading CRDs", "kubectl"):
+                args = [str(ROOT / a) if (ROOT / a).exists() and "/" in a else a for a in cmd[1:]]
+                kubectl(*args)
+            run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
+            kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
+        with step("helm uninstall keeps the CRDs; the namespace is deleted"):
+            run([HELM, "uninstall", release, "-n", ns, "--wait"], timeout_s=300)
+            for c in CRDS:
+                kubectl("get", "crd", c)
+            kubectl("delete", "namespace", ns, "--timeout=120s", timeout_s=150)
+    finally:  # a failed step leaves no release or namespace behind
+        run([HELM, "uninstall", release, "-n", ns, "--wait"], check=False, timeout_s=300)
+        kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false", check=False)
 
 
 def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operator):
