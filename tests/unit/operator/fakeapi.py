@@ -4,6 +4,9 @@
 - A write carrying `metadata.resourceVersion` (apply, merge patch) is a precondition: a stale
   one fails with 409 Conflict, as on a real API server.
 - Errors are `ApiException`s with a `Status` body, the shape the real client raises.
+- Server-side apply owns what it applied: a `spec` key the applier never set (one written by
+  a create or a person, e.g. a pool's `replicas`) is kept; one it set before and now omits is
+  removed (per top-level `spec` key: the granularity the operator's writes need).
 - `hook(op)` runs before every call, so a test can interleave user writes (a `kubectl scale`)
   or kill the operator (raise) between any two of the operator's calls.
 """
@@ -50,6 +53,8 @@ class FakeApi:
         self.stale_reads = 0.0
         self.rng = None
         self.history: dict[tuple, list[dict]] = {}
+        # The top-level spec keys the operator's field manager owns, per object (by apply).
+        self.applied_spec_keys: dict[tuple, set[str]] = {}
         self._rv = itertools.count(1)
         self._uid = itertools.count(1)
 
@@ -115,14 +120,24 @@ class FakeApi:
         key = self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
         current = self.objects.get(key)
         self._check_rv(current, m.get("resourceVersion"), f"{obj['kind']} {m['name']}")
+        applied_spec = obj.get("spec") or {}
+        owned_before = self.applied_spec_keys.get(key, set())
+        self.applied_spec_keys[key] = set(applied_spec)
         if current is None:
             fresh = copy.deepcopy(obj)
             fresh["metadata"].pop("resourceVersion", None)
             return self.create(fresh)
         merged = copy.deepcopy(current)
         for k, v in obj.items():
-            if k not in ("metadata", "status"):
+            if k not in ("metadata", "status", "spec"):
                 merged[k] = copy.deepcopy(v)
+        if "spec" in obj or owned_before:
+            others = {
+                k: v
+                for k, v in (current.get("spec") or {}).items()
+                if k not in owned_before and k not in applied_spec
+            }
+            merged["spec"] = {**others, **copy.deepcopy(applied_spec)}
         for k in ("labels", "annotations"):
             if k in m:
                 merged["metadata"].setdefault(k, {}).update(m[k])
@@ -173,6 +188,7 @@ class FakeApi:
         if current["metadata"]["uid"] != uid:
             raise api_error(409, "Conflict", f"Precondition failed: UID in precondition: {uid}")
         del self.objects[key]
+        self.applied_spec_keys.pop(key, None)
         self.writes += 1
 
     def patch_status(self, api_version, kind, ns, name, status):
