@@ -96,23 +96,6 @@ class KubeApi:
             _request_timeout=REQUEST_TIMEOUT_S,
         )
 
-    def patch_spec(self, api_version, kind, namespace, name, patch, resource_version):
-        body = {
-            **patch,
-            "metadata": {**patch.get("metadata", {}), "resourceVersion": resource_version},
-        }
-        return (
-            self._res(api_version, kind)
-            .patch(
-                body=body,
-                name=name,
-                namespace=namespace,
-                content_type="application/merge-patch+json",
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-            .to_dict()
-        )
-
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on `obj`, as `kubectl describe` shows them."""
         meta = obj["metadata"]

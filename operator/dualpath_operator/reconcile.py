@@ -51,17 +51,6 @@ class ClusterApi(Protocol):
         self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
     ) -> None: ...
 
-    def patch_spec(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str,
-        name: str,
-        patch: dict[str, Any],
-        resource_version: str,
-    ) -> dict[str, Any]:
-        """Merge patch guarded by `resource_version` (409 when the object moved on)."""
-
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None: ...
 
 

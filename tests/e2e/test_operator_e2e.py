@@ -3,7 +3,8 @@
 Runs `dualpath operator` locally against the cluster and checks, in order, each failure naming
 its step and showing kubectl's stderr: the example applied; a preset spec's config hash equal
 to `dualpath render`'s; a storm of 50 `kubectl scale dpp/...` with the operator killed and
-restarted twice ending at the last value; an unsafe scale reported; every bad input refused at
+restarted twice ending at the last value (pool and StatefulSet; the cluster spec's count is
+the initial one and stays as applied); an unsafe scale reported; every bad input refused at
 admission or Degraded with a reason; `frontend.replicas: 0` pruned; `kubectl delete dpc` with
 the operator stopped; `helm install` shipping the Grafana dashboard ConfigMap (and the PodMonitor
 where the Prometheus Operator's CRD is installed), `helm uninstall`, then namespace deletion. Images need not be pullable
@@ -152,7 +153,9 @@ def cluster(ns, name=NAME):
 
 
 def replicas_of(ns, role, name=NAME):
-    """(cluster spec, pool spec, StatefulSet spec) replicas of one role."""
+    """(cluster spec, pool spec, StatefulSet spec) replicas of one role. After creation the pool
+    owns the count and the StatefulSet follows it; the cluster spec's is the initial count,
+    never written by the operator (docs/operator.md, "who owns each count")."""
     c = cluster(ns, name) or {}
     pool = get_json(KUBECTL, "dualpathpool", f"{name}-{role}", ns) or {}
     sts = get_json(KUBECTL, "statefulset", f"{name}-{role}", ns) or {}
@@ -222,6 +225,7 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
     namespace, operator, show_operator_log
 ):
     plan = storm_plan(seed=int(os.environ.get("DUALPATH_E2E_SEED", "14")))
+    initial = replicas_of(namespace, "decode")[0]  # the cluster spec's, as applied
     templates_before = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"][
         "template"
     ]
@@ -236,15 +240,16 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
             kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, f"--replicas={value}")
         time.sleep(0.2 + 0.1 * (i % 4))
     last = plan.values[-1]
-    with step(f"pool, cluster spec and StatefulSet end at the last value {last}"):
+    want = (initial, last, last)  # cluster spec untouched; pool and StatefulSet at the last
+    with step(f"pool and StatefulSet end at the last value {last}, the cluster spec untouched"):
         wait_for(
-            f"decode replicas == {last} everywhere",
-            lambda: replicas_of(namespace, "decode") == (last, last, last),
+            f"decode replicas (cluster spec, pool, StatefulSet) == {want}",
+            lambda: replicas_of(namespace, "decode") == want,
             timeout_s=120,
         )
         time.sleep(20)  # more than one resync: nothing reverts it
         got = replicas_of(namespace, "decode")
-        assert got == (last, last, last), f"reverted after settling: {got}"
+        assert got == want, f"reverted after settling: {got}"
     with step("no scale rolled a pod template"):
         after = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"]["template"]
         assert after == templates_before
@@ -253,7 +258,7 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
 def test_3_an_unsafe_scale_is_reported_not_done_and_not_undone(
     namespace, operator, show_operator_log
 ):
-    before = replicas_of(namespace, "decode")[2]
+    initial, _, before = replicas_of(namespace, "decode")
     with step("kubectl scale dpp/...-decode --replicas=0 while prefill runs"):
         kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, "--replicas=0")
     with step("Degraded=True reason UnsafeScale, with a Warning event"):
@@ -267,7 +272,9 @@ def test_3_an_unsafe_scale_is_reported_not_done_and_not_undone(
             "get", "events", "-n", namespace, "--field-selector", "reason=UnsafeScale", "-o", "json"
         ).stdout
         assert json.loads(events)["items"], "no UnsafeScale event"
-        assert replicas_of(namespace, "decode") == (before, 0, before)
+        assert replicas_of(namespace, "decode") == (initial, 0, before)
+        accepted = condition(cluster(namespace), "ScaleAccepted") or {}
+        assert (accepted.get("status"), accepted.get("reason")) == ("False", "UnsafeScale")
     with step("scaling decode back to 1 clears it"):
         kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, "--replicas=1")
         wait_for(

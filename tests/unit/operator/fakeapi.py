@@ -1,7 +1,7 @@
 """An in-memory Kubernetes API with the semantics the operator relies on.
 
 - Every write bumps a global resourceVersion; spec changes bump `metadata.generation`.
-- A write carrying `metadata.resourceVersion` (apply, merge patch) is a precondition: a stale
+- An apply carrying `metadata.resourceVersion` is a precondition: a stale
   one fails with 409 Conflict, as on a real API server.
 - Errors are `ApiException`s with a `Status` body, the shape the real client raises.
 - Server-side apply owns what it applied: a `spec` key the applier never set (one written by
@@ -201,16 +201,6 @@ class FakeApi:
         _merge(new["status"], status)
         if new["status"] != (obj.get("status") or {}):
             self._store(new, False)
-
-    def patch_spec(self, api_version, kind, ns, name, patch, resource_version):
-        self._call(f"patch {kind}/{name}")
-        obj = self.objects.get(self.key(api_version, kind, ns, name))
-        self._check_rv(obj, resource_version, f"{kind} {name}")
-        new = copy.deepcopy(obj)
-        _merge(new, patch)
-        if new != obj:
-            self._store(new, new["spec"] != obj["spec"])
-        return copy.deepcopy(self.objects[self.key(api_version, kind, ns, name)])
 
     def event(self, obj, type_, reason, message):
         self._call(f"event {reason}")
