@@ -38,14 +38,14 @@ class KubeApi:
             self._resources[key] = self.dyn.resources.get(api_version=api_version, kind=kind)
         return self._resources[key]
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         res = self._res(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         out = res.server_side_apply(
             body=obj,
             name=meta["name"],
             namespace=meta.get("namespace"),
-            field_manager=FIELD_MANAGER,
+            field_manager=field_manager,
             force_conflicts=True,
             _request_timeout=REQUEST_TIMEOUT_S,
         )

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .reconcile import ClusterApi
 
 API_VERSION_FULL = config.API_VERSION_FULL
+FIELD_MANAGER = "dualpath-operator"  # every server-side apply of the operator
 SPEC_VALID = ConditionType.SPEC_VALID
 SCALE_ACCEPTED = ConditionType.SCALE_ACCEPTED
 TOKEN_READY = ConditionType.TOKEN_READY
@@ -181,10 +182,36 @@ def apply_children(p: Pass) -> None:
 
 def _apply_pool(p: Pass, obj: dict[str, Any]) -> None:
     name, role = obj["metadata"]["name"], obj["spec"]["role"]
-    if p.pools.get(role) is None and p.api.create_only(obj):
+    live = p.pools.get(role)
+    if live is None and p.api.create_only(obj):
         p.log.info("created DualPathPool %s with %s replicas", name, obj["spec"]["replicas"])
         return
+    if live is not None and scaling.applies_count(live, FIELD_MANAGER):
+        _hand_over_count(p, obj, live)
     p.api.apply(pool_for_apply(obj))
+
+
+def _hand_over_count(p: Pass, obj: dict[str, Any], live: dict[str, Any]) -> None:
+    """A pool an older operator applied with its count: the same count applied once by the
+    handover manager, so it keeps the field when the operator's applies drop it. Guarded by
+    the resourceVersion read: a scale landing meanwhile makes it a 409 (pass redone)."""
+    handover = {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "metadata": {
+            "name": obj["metadata"]["name"],
+            "namespace": obj["metadata"]["namespace"],
+            "resourceVersion": live["metadata"]["resourceVersion"],
+        },
+        "spec": {**obj["spec"], "replicas": scaling.pool_count(live, obj["spec"]["replicas"])},
+    }
+    p.api.apply(handover, field_manager=scaling.COUNT_HANDOVER_MANAGER)
+    p.log.info(
+        "DualPathPool %s: count %s handed over to %s (applied by an older operator)",
+        obj["metadata"]["name"],
+        handover["spec"]["replicas"],
+        scaling.COUNT_HANDOVER_MANAGER,
+    )
 
 
 def _log_scale(p: Pass, sts: dict[str, Any]) -> None:

@@ -23,16 +23,15 @@ from .builders import child_name
 from .builders.checks import spec_warnings
 from .builders.pods import scheduler_address
 from .k8s_errors import ApiFailure, describe, is_not_found
-from .phases import PHASE_OF_CONDITION, Pass, PhaseError, emit, run_phases
+from .phases import FIELD_MANAGER, PHASE_OF_CONDITION, Pass, PhaseError, emit, run_phases
 from .status import ConditionType, Problem, compute_status, condition
 
 _log = logging.getLogger(__name__)
-FIELD_MANAGER = "dualpath-operator"
 CONFLICT_ATTEMPTS = 5  # 409s in a row before the pass is handed to the retry backoff
 
 
 class ClusterApi(Protocol):
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         """Server-side apply; `metadata.resourceVersion` in `obj` is a precondition."""
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...

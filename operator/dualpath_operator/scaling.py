@@ -12,6 +12,11 @@ target's):
 
 No merge, no bookkeeping annotations: the operator never writes a count a person or an HPA
 writes, so it can never undo a scale, and a restart loses nothing.
+
+A pool applied by an older operator carries its count in the operator's server-side-apply
+field set; an apply that omits a field it owns alone deletes it. Such a pool's count is first
+handed over to a field manager that never applies again (`COUNT_HANDOVER_MANAGER`, the
+Kubernetes docs' "handover" for an HPA taking over a Deployment's replicas), once.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("prefill", "decode")
+COUNT_HANDOVER_MANAGER = "dualpath-pool-count-handover"
 
 
 def unsafe_reason(prefill: int, decode: int) -> str | None:
@@ -75,3 +81,14 @@ def plan(
         movers = [f"DualPathPool {r}" for r in ROLES if pools.get(r) and asked[r] != live.get(r)]
         why = f"scale refused ({', '.join(movers) or 'pools'}): {why}"
     return ReplicaPlan(asked, {r: live.get(r) for r in ROLES}, dict(initial), why)
+
+
+def applies_count(pool: dict[str, Any] | None, field_manager: str) -> bool:
+    """Whether `field_manager`'s server-side applies own the pool's `spec.replicas` (read from
+    `metadata.managedFields`, as the API server records it)."""
+    for entry in ((pool or {}).get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == field_manager and entry.get("operation") == "Apply":
+            spec = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+            if "f:replicas" in spec:
+                return True
+    return False

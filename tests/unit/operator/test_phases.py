@@ -299,3 +299,42 @@ def test_an_unhandled_error_in_a_phase_leaves_as_phase_error_naming_its_conditio
 def test_compute_status_without_phases_writes_only_the_summary_conditions():
     status = compute_status(3, "h", {}, "s:1")
     assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded"]
+
+
+def old_operator_pool(api, replicas):
+    """A pool as an older operator left it: its server-side apply set (and owns) the count."""
+    reconcile(api, "default", "agents")
+    pool = api.get(*DPP, "default", "agents-decode")
+    applied = {
+        "apiVersion": pool["apiVersion"],
+        "kind": pool["kind"],
+        "metadata": {k: pool["metadata"][k] for k in ("name", "namespace", "labels")},
+        "spec": {**pool["spec"], "replicas": replicas},
+    }
+    api.apply(applied, field_manager=phases.FIELD_MANAGER)
+    assert scaling.applies_count(api.obj(*DPP, "agents-decode"), phases.FIELD_MANAGER)
+
+
+def test_a_count_an_older_operator_applied_is_handed_over_once_and_kept(api):
+    old_operator_pool(api, 12)
+    reconcile(api, "default", "agents")
+    pool = api.obj(*DPP, "agents-decode")
+    assert pool["spec"]["replicas"] == 12 and sts_replicas(api, "decode") == 12
+    assert not scaling.applies_count(pool, phases.FIELD_MANAGER)
+    assert scaling.applies_count(pool, scaling.COUNT_HANDOVER_MANAGER)
+    api.calls.clear()
+    reconcile(api, "default", "agents")
+    assert api.calls.count("apply DualPathPool/agents-decode") == 1  # no second handover
+    api.user_patch_spec(*DPP, "agents-decode", {"replicas": 5})  # the scale takes the field
+    reconcile(api, "default", "agents")
+    assert api.obj(*DPP, "agents-decode")["spec"]["replicas"] == 5
+    assert sts_replicas(api, "decode") == 5
+
+
+def test_without_the_handover_the_first_apply_would_drop_an_applied_count(api, monkeypatch):
+    """What the handover prevents, as server-side apply does it: the count is deleted."""
+    old_operator_pool(api, 12)
+    monkeypatch.setattr(scaling, "applies_count", lambda *_: False)
+    p = new_pass(api, upto="apply")
+    phases.apply_children(p)
+    assert "replicas" not in api.obj(*DPP, "agents-decode")["spec"]

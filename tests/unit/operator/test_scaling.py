@@ -33,3 +33,34 @@ def test_an_unsafe_ask_is_refused_and_the_statefulsets_keep_what_they_have():
 def test_scaling_both_to_zero_is_safe():
     p = plan(INITIAL, {"prefill": pool(0), "decode": pool(0)}, {"prefill": 4, "decode": 8})
     assert p.refused is None and (p.target("prefill"), p.target("decode")) == (0, 0)
+
+
+def test_who_applies_the_count_is_read_from_managed_fields_as_the_api_server_writes_them():
+    from dualpath_operator.scaling import applies_count
+
+    entry = {
+        "apiVersion": "dualpath.io/v1alpha1",
+        "fieldsType": "FieldsV1",
+        "fieldsV1": {
+            "f:metadata": {"f:labels": {"f:dualpath.io/cluster": {}}},
+            "f:spec": {"f:cluster": {}, "f:replicas": {}, "f:role": {}},
+        },
+        "manager": "dualpath-operator",
+        "operation": "Apply",
+        "time": "2026-12-04T10:00:00Z",
+    }
+    scaled = {  # kubectl scale: an Update through the scale subresource
+        **entry,
+        "manager": "kubectl",
+        "operation": "Update",
+        "subresource": "scale",
+        "fieldsV1": {"f:spec": {"f:replicas": {}}},
+    }
+    assert applies_count({"metadata": {"managedFields": [entry]}}, "dualpath-operator")
+    assert not applies_count({"metadata": {"managedFields": [entry]}}, "someone-else")
+    without = {**entry, "fieldsV1": {"f:spec": {"f:cluster": {}, "f:role": {}}}}
+    assert not applies_count(
+        {"metadata": {"managedFields": [without, scaled]}}, "dualpath-operator"
+    )
+    assert not applies_count({"metadata": {"managedFields": [scaled]}}, "kubectl")  # an update
+    assert not applies_count(None, "dualpath-operator")
