@@ -223,7 +223,7 @@ def _log_scale(p: Pass, sts: dict[str, Any]) -> None:
     if old is None or old == new:
         return
     msg = f"StatefulSet {name} replicas {old} -> {new}: DualPathPool {name} asks {new}"
-    metrics.SCALES.labels("pool").inc()
+    metrics.SCALES.inc()
     p.log.info("%s", msg)
     emit(p.api, p.body, "Normal", "Scaled", msg, p.log)
 
