@@ -132,7 +132,7 @@ def resolve_replicas(p: Pass) -> None:
     live = {}
     for r in Role:
         sts = p.api.get("apps/v1", "StatefulSet", p.ns, child_name(cfg, r.value))
-        live[r.value] = None if sts is None else int(sts["spec"].get("replicas") or 0)
+        live[r.value] = None if sts is None else int(sts["spec"].get("replicas", 1))
     p.plan = scaling.plan({r.value: cfg.spec.pool(r).replicas for r in Role}, p.pools, live)
     if p.plan.refused:
         p.problems.append(
