@@ -250,6 +250,19 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
         time.sleep(20)  # more than one resync: nothing reverts it
         got = replicas_of(namespace, "decode")
         assert got == want, f"reverted after settling: {got}"
+    with step("no server-side apply owns the pool's count: its one writer is the scale"):
+        pool = json.loads(
+            kubectl(
+                "get", f"dpp/{NAME}-decode", "-n", namespace, "-o", "json", "--show-managed-fields"
+            ).stdout
+        )
+        appliers = [
+            m["manager"]
+            for m in pool["metadata"].get("managedFields") or []
+            if m.get("operation") == "Apply"
+            and "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
+        ]
+        assert appliers == [], f"spec.replicas applied by {appliers}"
     with step("no scale rolled a pod template"):
         after = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"]["template"]
         assert after == templates_before
