@@ -19,7 +19,9 @@ ENV PATH=/opt/dualpath/bin:$PATH
 WORKDIR /src
 # every package pinned to the versions the test suite ran with (`make image-lock`)
 COPY image-constraints.txt ./
-RUN pip install --index-url "${TORCH_INDEX_URL}" --constraint image-constraints.txt torch
+# (torch==<version>+cpu in the constraints exists on the CPU index only; its dependencies come
+# from PyPI at their pinned versions)
+RUN pip install --extra-index-url "${TORCH_INDEX_URL}" --constraint image-constraints.txt torch
 COPY pyproject.toml README.md ./
 COPY workers ./workers
 COPY operator ./operator

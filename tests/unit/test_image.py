@@ -103,6 +103,8 @@ def test_the_cpu_image_installs_the_cpu_torch_the_venv_pins():
     assert makefile and _pins()["torch"] == f"{makefile.group(1)}+cpu"
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "/whl/cpu" in dockerfile and "--constraint image-constraints.txt torch" in dockerfile
+    # a local version: only the CPU index has it, so PyPI's CUDA build can never be picked
+    assert re.fullmatch(r"[\d.]+\+cpu", _pins()["torch"])
 
 
 def test_every_package_the_image_installs_is_pinned():
