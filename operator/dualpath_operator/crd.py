@@ -24,9 +24,13 @@ from dualpath.config import (
     MAX_NAME_LENGTH,
     METRICS_PORT,
     MODEL_PRESETS,
+    MODEL_VOLUME_MESSAGE,
     NAME_MESSAGE,
     PRESET_FIELDS,
     STORAGE_PATH_MESSAGE,
+    VLLM_DTYPE_MESSAGE,
+    VLLM_DTYPES,
+    VLLM_MODEL_MESSAGE,
     ClusterSpec,
     ModelSpec,
 )
@@ -41,6 +45,10 @@ CRD_DIR = ROOT / "crds"
 CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
 
 _PRESETS = repr(sorted(MODEL_PRESETS)).replace("'", '"')
+# workers.engine is optional on the wire (its default is the schema's): guarded with has()
+_NOT_VLLM = "!has(self.workers) || !has(self.workers.engine) || self.workers.engine != 'vllm'"
+# a nullable field given a value (has() is true for an explicit null too)
+_SET = "has({0}) && type({0}) != null_type"
 
 _SELF_FIELDS = re.compile(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)(\()?")
 
@@ -85,6 +93,16 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands every "
             "request's KV to a decode node",
         ),
+        (
+            _NOT_VLLM + " || (has(self.model) && " + _SET.format("self.model.checkpointPath") + ")",
+            VLLM_MODEL_MESSAGE,
+        ),
+        (
+            _NOT_VLLM
+            + " || !has(self.model) || !has(self.model.dtype) || self.model.dtype in "
+            + repr(list(VLLM_DTYPES)).replace("'", '"'),
+            VLLM_DTYPE_MESSAGE,
+        ),
     ],
     "spec.model": [
         (
@@ -97,6 +115,10 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "!has(self.kvHeads) || !has(self.heads) || self.kvHeads == 0 || "
             "self.heads % self.kvHeads == 0",
             "model.heads must be a multiple of model.kvHeads (grouped-query attention)",
+        ),
+        (
+            f"!({_SET.format('self.volume')}) || ({_SET.format('self.checkpointPath')})",
+            MODEL_VOLUME_MESSAGE,
         ),
     ],
     "spec.storage": [
