@@ -40,6 +40,8 @@ WITHOUT_TORCH = [
     "dualpath.scheduler.client",
     "dualpath.frontend.app",
     "dualpath.frontend.grpc_backend",
+    "dualpath.worker.wire",
+    "dualpath.grpc_bounds",
     "dualpath.frontend.cli",
     "dualpath.sim.cli",
     "dualpath.cli",

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_bounds import BoundsInterceptor
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import ReadPath
@@ -352,7 +353,9 @@ class SchedulerServer:
     ) -> None:
         self.servicer = servicer
         # every call but health and reflection needs the cluster token (Register included)
-        self.server = grpc.aio.server(interceptors=server_interceptors(token, "scheduler"))
+        self.server = grpc.aio.server(
+            interceptors=[*server_interceptors(token, "scheduler"), BoundsInterceptor("scheduler")]
+        )
         pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -26,12 +26,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dualpath.config import ClusterConfig, Role
 from dualpath.grpc_auth import ClusterToken, connected, server_interceptors
 from dualpath.grpc_auth import channel as token_channel
+from dualpath.grpc_bounds import BoundsInterceptor, refuse
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.units import gbps_to_bytes_per_s
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
+from dualpath.worker.wire import (
+    BadField,
+    chunk_to_pb,
+    generate_from_pb,
+    prefill_from_pb,
+    prefill_message_to_pb,
+)
 
 if TYPE_CHECKING:  # the parts import torch and NIXL: loaded in start(), off the CLI's path
     from dualpath.engine import Engine
@@ -84,6 +92,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
     def __init__(self, node: WorkerNode) -> None:
         self.node = node
+        self.component = f"{node.role.value}-worker"
 
     async def GetTransferInfo(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
@@ -96,7 +105,12 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         )
 
     async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
-        from dualpath.worker.prefill import VALID_HIT_KEY, HitUnavailable
+        from dualpath.worker.prefill import (
+            VALID_HIT_KEY,
+            WRITES_IN_FLIGHT_KEY,
+            HitUnavailable,
+            PrefillOutcome,
+        )
 
         n = self.node
         if n.prefill is None:
@@ -105,25 +119,39 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             )
         if n.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
+        try:
+            order = prefill_from_pb(request, n.cfg.spec.model)
+        except BadField as err:
+            await refuse(context, self.component, "Prefill", err.field, f"PrefillRequest.{err}")
+        outcome = PrefillOutcome()
         n.inflight += 1  # a drain waits for it: its reads, relays and handoff to decode
         try:
             with n.transfer.active():
-                await n.prefill.serve(request, context)
+                async for message in n.prefill.serve(order, outcome):
+                    yield prefill_message_to_pb(message)
+        except BadField as err:  # the decode agent's metadata or regions (checked first)
+            await refuse(context, self.component, "Prefill", err.field, f"PrefillRequest.{err}")
         except HitUnavailable as err:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"hit KV unavailable: {err}",
-                # keeps what the role set (a WRITE that may still land: WRITES_IN_FLIGHT_KEY)
                 trailing_metadata=(
                     (VALID_HIT_KEY, str(err.valid_tokens)),
-                    *(context.trailing_metadata() or ()),
+                    *(((WRITES_IN_FLIGHT_KEY, "1"),) if outcome.writes_in_flight else ()),
                 ),
             )
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except asyncio.CancelledError:
+            raise
         except Exception as err:
             log.exception("prefill %s failed", request.request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"prefill failed: {err}",
+                # the decode node holds its regions while a WRITE of ours may still land
+                trailing_metadata=((WRITES_IN_FLIGHT_KEY, "1"),)
+                if outcome.writes_in_flight
+                else (),
+            )
         finally:
             n.inflight -= 1
 
@@ -139,12 +167,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         # a draining node still serves what the scheduler routed before it learned of the drain
         if n.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
+        try:
+            turn = generate_from_pb(request, n.cfg.spec.model)
+        except BadField as err:
+            await refuse(context, self.component, "Generate", err.field, f"GenerateRequest.{err}")
         n.inflight += 1
         try:
-            async for chunk in n.decode.generate(request):
-                yield chunk
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            async for chunk in n.decode.generate(turn):
+                yield chunk_to_pb(chunk)
         except asyncio.CancelledError:
             raise
         except Exception as err:
@@ -274,8 +304,12 @@ class WorkerNode:
                 flush_kv_events=self.flush_kv_events,
             )
             self.decode.start()
+        component = f"{self.role.value}-worker"
         self._server = grpc.aio.server(
-            interceptors=server_interceptors(self.opts.token, f"{self.role.value}-worker"),
+            interceptors=[
+                *server_interceptors(self.opts.token, component),
+                BoundsInterceptor(component),
+            ],
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
