@@ -46,6 +46,8 @@ PRELOAD = (
     "dualpath.kv",
     "dualpath.worker.cli",
     "dualpath.worker.node",
+    "dualpath.worker.parts",
+    "dualpath.worker.service",
     "dualpath.worker.decode",
     "dualpath.worker.prefill",
     "dualpath.scheduler.cli",
