@@ -54,10 +54,15 @@ INVALID = Counter(
 )
 
 
+def _repeated(fd: FieldDescriptor) -> bool:
+    is_repeated = getattr(fd, "is_repeated", None)  # protobuf >= 5.29; `label` before
+    return bool(is_repeated) if is_repeated is not None else fd.label == fd.LABEL_REPEATED
+
+
 def _limit(fd: FieldDescriptor) -> int:
     if fd.full_name in LIMITS:
         return LIMITS[fd.full_name]
-    if fd.is_repeated:
+    if _repeated(fd):
         return MAX_ITEMS
     return MAX_BYTES if fd.type == FieldDescriptor.TYPE_BYTES else MAX_ID_CHARS
 
@@ -71,7 +76,7 @@ def problem(msg: Message) -> tuple[str, str] | None:
     bound; None when every field is within bounds."""
     for fd, value in msg.ListFields():
         limit = _limit(fd)
-        repeated = fd.is_repeated
+        repeated = _repeated(fd)
         if repeated and len(value) > limit:
             return _name(fd), f"{_name(fd)} has {len(value)} entries; at most {limit}"
         for item in value if repeated else (value,):
