@@ -58,10 +58,15 @@ REGISTER_CASES = [
 
 @pytest.mark.parametrize(("fields", "name"), ROUTE_CASES)
 async def test_route_refuses_out_of_range_fields(stub, fields, name) -> None:
+    from prometheus_client import REGISTRY
+
+    labels = {"component": "scheduler", "method": "Route", "field": f"RouteRequest.{name}"}
+    before = REGISTRY.get_sample_value("dualpath_grpc_invalid_argument_total", labels) or 0.0
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Route(pb.RouteRequest(**{**GOOD_ROUTE, **fields}), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert name in err.value.details()
+    assert REGISTRY.get_sample_value("dualpath_grpc_invalid_argument_total", labels) == before + 1
 
 
 @pytest.mark.parametrize(("fields", "name"), REGISTER_CASES)
