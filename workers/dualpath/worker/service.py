@@ -40,6 +40,26 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.node = node
         self.component = f"{node.role.value}-worker"
 
+    async def _accept(self, context, method: str, role, parse, request):  # noqa: ANN001, ANN202
+        """What every call passes before a role sees it: this node has the role that serves
+        `method`, it is not stopping (a draining node still serves what the scheduler routed
+        before it learned of the drain), and the request converts (`wire`)."""
+        n = self.node
+        if role is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a {n.role.value} node"
+            )
+        if n.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
+        try:
+            return parse(request, n.cfg.spec.model)
+        except BadField as err:
+            await self._refuse(context, method, err)
+
+    async def _refuse(self, context, method: str, err: BadField) -> None:  # noqa: ANN001
+        message = f"{method}Request.{err}"
+        await refuse(context, self.component, method, err.field, message)
+
     async def GetTransferInfo(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
         return wpb.TransferInfo(
@@ -59,16 +79,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         )
 
         n = self.node
-        if n.prefill is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a decode node"
-            )
-        if n.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
-        try:
-            order = prefill_from_pb(request, n.cfg.spec.model)
-        except BadField as err:
-            await refuse(context, self.component, "Prefill", err.field, f"PrefillRequest.{err}")
+        order = await self._accept(context, "Prefill", n.prefill, prefill_from_pb, request)
         outcome = PrefillOutcome()
         n.inflight += 1  # a drain waits for it: its reads, relays and handoff to decode
         try:
@@ -76,7 +87,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                 async for message in n.prefill.serve(order, outcome):
                     yield prefill_message_to_pb(message)
         except BadField as err:  # the decode agent's metadata or regions (checked first)
-            await refuse(context, self.component, "Prefill", err.field, f"PrefillRequest.{err}")
+            await self._refuse(context, "Prefill", err)
         except HitUnavailable as err:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -106,17 +117,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         from dualpath.worker.decode import PrefillFailed
 
         n = self.node
-        if n.decode is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is a prefill node"
-            )
-        # a draining node still serves what the scheduler routed before it learned of the drain
-        if n.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
-        try:
-            turn = generate_from_pb(request, n.cfg.spec.model)
-        except BadField as err:
-            await refuse(context, self.component, "Generate", err.field, f"GenerateRequest.{err}")
+        turn = await self._accept(context, "Generate", n.decode, generate_from_pb, request)
         n.inflight += 1
         try:
             async for chunk in n.decode.generate(turn):
