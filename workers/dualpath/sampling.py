@@ -14,6 +14,14 @@ from dataclasses import dataclass
 MAX_STOP_TOKENS = 1024  # stop ids of one request (a tokenizer's special tokens, a few words')
 
 
+class SamplingError(ValueError):
+    """A sampling field out of its range: `field` names it, `reason` says the range."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field, self.reason = field, reason
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Checked on construction; an error names the field (the wire's names are the same)."""
@@ -28,18 +36,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
+            raise SamplingError("temperature", f"must be >= 0 (0 = greedy); got {self.temperature}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
+            raise SamplingError("max_tokens", f"must be >= 1; got {self.max_tokens}")
         if not 0 < self.top_p <= 1:  # NaN fails too
-            raise ValueError(f"top_p must be in (0, 1] (1 = off); got {self.top_p}")
+            raise SamplingError("top_p", f"must be in (0, 1] (1 = off); got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off); got {self.top_k}")
+            raise SamplingError("top_k", f"must be >= 0 (0 = off); got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}]; got {self.min_tokens}"
+            raise SamplingError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}]; got {self.min_tokens}"
             )
         if len(self.stop_tokens) > MAX_STOP_TOKENS:
-            raise ValueError(
-                f"stop_tokens has {len(self.stop_tokens)} ids; at most {MAX_STOP_TOKENS}"
+            raise SamplingError(
+                "stop_tokens", f"has {len(self.stop_tokens)} ids; at most {MAX_STOP_TOKENS}"
             )

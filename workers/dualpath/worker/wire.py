@@ -14,19 +14,22 @@ string, bytes and repeated field are bounded before this, by `grpc_bounds` on th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from dualpath.config import ModelSpec
 from dualpath.grpc_bounds import MAX_PROMPT_TOKENS
 from dualpath.kv.ids import MAX_SALT_BYTES
-from dualpath.sampling import SamplingParams
+from dualpath.sampling import SamplingError, SamplingParams
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker.sizes import RequestSizes
 
 PATH_FROM_PB = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
 PATH_TO_PB = {"prefill": spb.READ_PATH_PREFILL, "decode": spb.READ_PATH_DECODE, "none": 0}
+
+
+# SamplingParams' names that the wire spells otherwise
+_SAMPLING_WIRE_NAMES = {"max_tokens": "max_new_tokens"}
 
 
 class BadField(ValueError):
@@ -114,28 +117,21 @@ def sampling_fields(p: SamplingParams) -> dict:
 
 
 def sampling_from_pb(msg: wpb.GenerateRequest, vocab_size: int) -> SamplingParams:
-    """The request's sampling, each field checked under its wire name. A field left out (0)
-    is off: top_p 0 is 1."""
-    if msg.max_new_tokens < 1:
-        raise BadField("max_new_tokens", f"must be >= 1; got {msg.max_new_tokens}")
-    if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
-        raise BadField("temperature", f"must be >= 0 (0: greedy); got {msg.temperature}")
-    if not 0 <= msg.top_p <= 1:  # NaN fails too
-        raise BadField("top_p", f"must be in [0, 1] (0 or 1: off); got {msg.top_p}")
-    if msg.top_k < 0:
-        raise BadField("top_k", f"must be >= 0 (0: off); got {msg.top_k}")
-    if not 0 <= msg.min_tokens <= msg.max_new_tokens:
-        raise BadField("min_tokens", f"must be in [0, max_new_tokens]; got {msg.min_tokens}")
+    """The request's sampling, refused under the wire's field names (`SamplingParams` checks
+    the ranges). A field left out (0) is off: top_p 0 is 1."""
     _in_vocab("stop_tokens", msg.stop_tokens, vocab_size)
-    return SamplingParams(
-        temperature=msg.temperature,
-        max_tokens=msg.max_new_tokens,
-        stop_tokens=tuple(msg.stop_tokens),
-        seed=msg.seed,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        min_tokens=msg.min_tokens,
-    )
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            max_tokens=msg.max_new_tokens,
+            stop_tokens=tuple(msg.stop_tokens),
+            seed=msg.seed,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            min_tokens=msg.min_tokens,
+        )
+    except SamplingError as err:
+        raise BadField(_SAMPLING_WIRE_NAMES.get(err.field, err.field), err.reason) from None
 
 
 # ---- Generate -------------------------------------------------------------------------------
