@@ -110,7 +110,6 @@ class Cluster:
         )
         self.proc: subprocess.Popen | None = None
         self.frontend = self.scheduler = ""
-        self.argv: dict[str, list[str]] = {}  # name -> command line of its first process
 
     def start(self, timeout_s: float = 240.0) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -134,9 +133,6 @@ class Cluster:
             m = re.search(rb"READY up frontend=(\S+) scheduler=(\S+)", buf)
             if m:
                 self.frontend, self.scheduler = m.group(1).decode(), m.group(2).decode()
-                for name, pid in self.pids().items():
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    self.argv[name] = cmdline.decode(errors="replace").split("\0")
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -187,8 +183,13 @@ class Cluster:
         return tree
 
     def ready_url(self, name: str) -> str:
-        argv = self.argv[name]
-        return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/readyz"
+        """From the process's own READY line (its command line is its title: `dualpath
+        decode:decode-0`; a restart keeps the port)."""
+        text = self.log_file.read_text(errors="replace")
+        ports = re.findall(rf"\[{re.escape(name)}\]\s+READY .*\bmetrics=(\d+)", text)
+        if not ports:
+            raise RuntimeError(f"{name} has said no READY line with its metrics port")
+        return f"http://127.0.0.1:{ports[-1]}/readyz"
 
     def kill(self, name: str) -> int:
         pid = self.pid(name)
