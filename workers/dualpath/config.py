@@ -32,7 +32,6 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from dualpath import default_image
-from dualpath.scheduler.policy import POLICY_NAMES
 
 API_GROUP = "dualpath.io"
 API_VERSION = "v1alpha1"
@@ -652,14 +651,13 @@ class NetworkSpec(_Model):
     """NetworkPolicies: who may reach the scheduler, the workers, the frontend and metrics."""
 
 
-# The scheduler's policy registry is the one list of names; the enum (and so the CRD's) is
-# built from it: DUALPATH, PREFILL_READ, DECODE_READ, ROUND_ROBIN.
-PolicyName = Enum(
-    "PolicyName",
-    {name.upper().replace("-", "_"): name for name in POLICY_NAMES},
-    type=str,
-    module=__name__,
-)
+# The one list of policy names (the CRD's enum); the scheduler's registry
+# (`scheduler.policy.POLICIES`) maps each to its class and fails to import if one is missing.
+class PolicyName(str, Enum):
+    DUALPATH = "dualpath"
+    PREFILL_READ = "prefill-read"
+    DECODE_READ = "decode-read"
+    ROUND_ROBIN = "round-robin"
 
 
 class SchedulerSpec(_Model):

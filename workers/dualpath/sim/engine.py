@@ -729,3 +729,16 @@ def _stderr_progress(name: str, now: float, horizon: float, turns: int) -> None:
     h = f"/{horizon:.0f}" if math.isfinite(horizon) else ""
     sys.stderr.write(f"[sim {name}] t={now:.1f}{h}s turns={turns}\n")
     sys.stderr.flush()
+
+
+def slo_attainment(r: SimResult, ttft_s: float, tpot_s: float | None) -> float | None:
+    """Fraction of measured turns meeting both SLOs (turns unfinished at the end fail)."""
+    if not r.ttft_s:
+        return None
+    tpot = r.tpot_s
+    ok = sum(
+        1
+        for i, t in enumerate(r.ttft_s[: len(tpot)])
+        if t <= ttft_s and (tpot_s is None or tpot[i] <= tpot_s)
+    )
+    return round(ok / len(r.ttft_s), 4)

@@ -31,9 +31,9 @@ from typing import Any
 from dualpath import trace
 from dualpath.config import ModelSpec
 from dualpath.scheduler.policy import get_policy
-from dualpath.sim.cli import add_context_arguments, context_limit_of, slo_attainment
-from dualpath.sim.engine import SimConfig, SimResult, Simulator, percentile
+from dualpath.sim.engine import SimConfig, SimResult, Simulator, percentile, slo_attainment
 from dualpath.sim.model import CostModel, Hardware
+from dualpath.sim.options import add_context_arguments, context_limit_of
 
 BASELINE = "prefill-read"
 # Fraction of a decode node's HBM left to KV (the rest: weights, activations): 400 of 8 x 80 GB.
