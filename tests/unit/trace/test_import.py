@@ -136,9 +136,7 @@ def test_import_meta_and_stats_count_the_same(tmp_path, capsys) -> None:
 
 
 @needs_traces
-def test_real_import_meta_and_stats_agree_on_partial_hits_and_first_turns(
-    tmp_path, capsys
-) -> None:
+def test_real_import_meta_and_stats_agree_on_partial_hits_and_first_turns(tmp_path, capsys) -> None:
     src = tmp_path / "cc"
     src.mkdir()
     # Sessions with subagents among them: their first turns hit their parent's blocks.

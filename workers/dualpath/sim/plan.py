@@ -153,6 +153,7 @@ class Point:
             "refused_turns": self.refused,
             "truncated_turns": self.truncated,
             "overload_binding": self.overload_binding,
+            "pruned_bound": round(self.pruned_bound, 1) or None,
             "wall_s": round(self.wall_s, 2),
         }
 
@@ -904,10 +905,7 @@ def _result(
             pol: [f"{t.prefill}:{t.decode}" for t in ties(best[pol], pts)]
             for pol, pts in per_split.items()
         },
-        "splits": {
-            pol: [pt.row() | {"pruned_bound": round(pt.pruned_bound, 1) or None} for pt in pts]
-            for pol, pts in per_split.items()
-        },
+        "splits": {pol: [pt.row() for pt in pts] for pol, pts in per_split.items()},
     }
     cmp = compare(best)
     if cmp is not None:
