@@ -168,10 +168,13 @@ def test_capacity_is_bisected_to_the_tolerance() -> None:
     )
     pt = pl.goodput("prefill-read", 1, 1, guess=8)
     assert pt.meets_slo and pt.sessions_missed > pt.sessions
-    # Bracketed: the lightest load that missed is within 10% (or one session) of the capacity.
-    assert pt.sessions_missed <= max(pt.sessions * 1.1, pt.sessions + 1)
-    assert not pl.run("prefill-read", 1, 1, pt.sessions_missed).meets_slo
-    assert pt.seeds == [0, 1] and pt.resolution == pt.sessions_missed / pt.sessions
+    assert pt.seeds == [0, 1] and len(pt.sessions_seeds) == 2 and 1.0 < pt.resolution <= 1.1
+    for seed in (0, 1):
+        # Each seed's capacity, bracketed: the lightest load that missed is within 10% of it.
+        cap = pl.capacity("prefill-read", 1, 1, seed)
+        assert cap.meets_slo and cap.seeds == [seed]
+        assert cap.sessions < cap.sessions_missed <= max(cap.sessions * 1.1, cap.sessions + 1)
+        assert not pl.run("prefill-read", 1, 1, cap.sessions_missed, (seed,)).meets_slo
     # Cached: asking again simulates nothing.
     runs = pl.runs
     assert pl.goodput("prefill-read", 1, 1) is pt and pl.runs == runs

@@ -44,9 +44,6 @@ KV_FRACTION = 0.625
 MAX_SIMULATED_AGENTS = 512
 # Capacity search: a split's highest load meeting the SLO is bracketed to this ratio (3%).
 TOLERANCE = 0.03
-# A load whose pooled TTFT/TPOT p90 is below SLO x EARLY_MEET, or above SLO x EARLY_MISS, is
-# decided on the seeds run so far: far from the knee more seeds do not change the verdict.
-EARLY_MEET, EARLY_MISS = 0.5, 2.0
 # Splits a best-split search simulates, about (for the ETA until it is known).
 SPLITS_PER_SEARCH = 5
 # Two-sided 95% Student t quantiles by degrees of freedom (seeds - 1).
@@ -88,8 +85,9 @@ class Slo:
 
 @dataclass(slots=True)
 class Point:
-    """A policy at a split and a load, over one or more seeds: the figures are seed means (TTFT
-    and TPOT p90 over the seeds' turns pooled), with the per-seed values kept for the spread."""
+    """A policy at a split and a load over one or more seeds (`Planner.run`: TTFT/TPOT p90 over
+    the seeds' turns pooled), or a split's goodput (`combine`: each seed at its own capacity,
+    the figures their means), with the per-seed values kept for the spread."""
 
     policy: str
     prefill: int
@@ -115,6 +113,9 @@ class Point:
     sessions_missed: int = 0
     # Splits only: not simulated, its upper bound was under the best's interval.
     pruned_bound: float = 0.0
+    # A split over seeds (`combine`): each seed's capacity, and the widest bracket of them.
+    sessions_seeds: list[int] = field(default_factory=list)
+    resolution_seeds: float = 0.0
 
     @property
     def spread(self) -> tuple[float, float]:
@@ -126,6 +127,8 @@ class Point:
     @property
     def resolution(self) -> float:
         """How tightly the capacity is bracketed: missed / met load (1 if not bracketed)."""
+        if self.resolution_seeds:
+            return self.resolution_seeds
         if self.sessions_missed and self.sessions:
             return max(1.0, self.sessions_missed / self.sessions)
         return 1.0
@@ -138,6 +141,7 @@ class Point:
             "decode": self.decode,
             "sessions": self.sessions,
             "sessions_missed": self.sessions_missed or None,
+            "sessions_seeds": self.sessions_seeds or [self.sessions],
             "tokens_per_s": round(self.tokens_per_s, 1),
             "tokens_per_s_interval": [round(lo, 1), round(hi, 1)],
             "tokens_per_s_seeds": [round(x, 1) for x in self.tokens_per_s_seeds],
@@ -206,11 +210,12 @@ def capacity_bound(pt: Point, prefill: int, decode: int) -> float:
 class Planner:
     """Pure search over the simulator: no I/O but the optional progress callback.
 
-    Every load is run with `seeds` (the sessions' order, join points and starts differ; the
-    same seeds for every policy, split and load, so comparisons are paired). A split's
-    capacity is found by bracketing and bisection to `tolerance`; the best split by a climb
-    from the split the first one's resource demands predict, skipping splits whose upper
-    bound (`capacity_bound`) is under the best's interval."""
+    A seed fixes the sessions' order, join points and starts; the same `seeds` serve every
+    policy, split and load, so comparisons are paired by seed. A split's capacity is found for
+    each seed by bracketing and bisection to `tolerance`, and its goodput is their mean with
+    their spread; the best split by a climb from the split the first one's resource demands
+    predict, skipping splits whose upper bound (`capacity_bound`) is under the best's
+    interval."""
 
     recorded: list[trace.Trajectory]
     model: ModelSpec
@@ -299,11 +304,18 @@ class Planner:
         self.wall_s += r.wall_s
         return out
 
-    def run(self, policy: str, prefill: int, decode: int, sessions: int, nseeds: int = 0) -> Point:
-        """`policy` at `prefill`:`decode` and `sessions` over the first `nseeds` seeds (all by
-        default), each simulated once (cached)."""
+    def run(
+        self,
+        policy: str,
+        prefill: int,
+        decode: int,
+        sessions: int,
+        seeds: tuple[int, ...] | list[int] = (),
+    ) -> Point:
+        """`policy` at `prefill`:`decode` and `sessions` over `seeds` (default all of the
+        planner's), each simulated once (cached); TTFT/TPOT p90 over the seeds' turns pooled."""
         sessions = self.effective(sessions)
-        seeds = list(self.seeds[: nseeds or len(self.seeds)])
+        seeds = list(seeds or self.seeds)
         before = self.runs
         runs = [self._sim(policy, prefill, decode, sessions, s) for s in seeds]
         pt = self._aggregate(policy, prefill, decode, sessions, seeds, runs)
@@ -369,40 +381,42 @@ class Planner:
             f"SLO {'ok' if pt.meets_slo else 'missed'}, binding {pt.binding or '-'}"
         )
 
-    def decide(self, policy: str, prefill: int, decode: int, sessions: int) -> Point:
-        """The load's SLO verdict on as few seeds as settle it: one more seed at a time, up
-        to all, unless the pooled p90s are far on one side of the SLO."""
-        pt = self.run(policy, prefill, decode, sessions, 1)
-        for k in range(2, len(self.seeds) + 1):
-            ttft = pt.ttft_p90_s / self.slo.ttft_p90_s
-            tpot = pt.tpot_p90_s / self.slo.tpot_p90_s
-            if not pt.ttft_p90_seeds or math.isnan(ttft) or math.isnan(tpot):
-                break
-            if max(ttft, tpot) <= EARLY_MEET or max(ttft, tpot) >= EARLY_MISS:
-                break
-            pt = self.run(policy, prefill, decode, sessions, k)
-        return pt
-
-    def loads(self, nodes: int) -> tuple[int, ...]:
-        """The fixed ladder (`ladder`), if one was given."""
-        return self.ladder
-
     def goodput(self, policy: str, prefill: int, decode: int, guess: int = 0) -> Point:
-        """The split's capacity: the highest load meeting the SLO, bracketed from `guess`
-        (default 64 sessions a node) by steps of 25% (60% without a guess) and bisected
-        (geometrically) until the lightest load that misses is within `tolerance` of it;
-        reported over all seeds. With a fixed `ladder`, the highest rung meeting it."""
+        """The split's goodput over the seeds: each seed's capacity (`capacity`) is searched
+        on its own, the next seed's from the previous seed's; the figures are their means,
+        with their spread (the capacity's own noise, the SLO verdict near the knee, is in it)."""
         key = (policy, prefill, decode)
         if key in self._goodput:
             return self._goodput[key]
         self._runs_at_split_start = self.runs
+        per_seed: list[Point] = []
+        step = 1.25 if guess else 1.6
+        for seed in self.seeds:
+            pt = self.capacity(policy, prefill, decode, seed, guess, step)
+            per_seed.append(pt)
+            if pt.meets_slo:
+                guess, step = pt.sessions, 1.1  # seeds differ by a few percent, not by 2x
+        out = combine(per_seed)
+        self._goodput[key] = out
+        self.splits_done += 1
+        self.splits_left = max(0, self.splits_left - 1)
+        self._runs_at_split_start = self.runs
+        return out
+
+    def capacity(
+        self, policy: str, prefill: int, decode: int, seed: int, guess: int = 0, step: float = 1.6
+    ) -> Point:
+        """One seed's capacity: the highest load meeting the SLO, bracketed from `guess`
+        (default 64 sessions a node) by steps of `step` and bisected (geometrically) until the
+        lightest load that misses is within `tolerance` of it. With a fixed `ladder`, the
+        highest rung meeting it."""
         nodes = prefill + decode
         met: dict[int, Point] = {}
         missed: dict[int, Point] = {}
 
         def judge(s: int) -> bool:
             s = self.effective(s)
-            pt = self.decide(policy, prefill, decode, s)
+            pt = self.run(policy, prefill, decode, s, (seed,))
             (met if pt.meets_slo else missed)[s] = pt
             return pt.meets_slo
 
@@ -411,12 +425,18 @@ class Planner:
                 if not judge(s):
                     break
         else:
-            self._search(judge, met, missed, guess or 64 * nodes, 1.25 if guess else 1.6, nodes)
-        out = self._settle(policy, prefill, decode, met, missed, judge)
-        self._goodput[key] = out
-        self.splits_done += 1
-        self.splits_left = max(0, self.splits_left - 1)
-        self._runs_at_split_start = self.runs
+            self._search(judge, met, missed, guess or 64 * nodes, step, nodes)
+        if met:
+            out = met[max(met)]
+            above = [s for s in missed if s > out.sessions]
+            if above:
+                first = min(above)
+                out.sessions_missed = first
+                out.overload_binding = missed[first].binding
+            return out
+        # Nothing meets the SLO: the lightest load tried.
+        out = missed[min(missed)]
+        out.overload_binding = out.binding
         return out
 
     def _search(
@@ -465,48 +485,6 @@ class Planner:
                 if not lo < mid < hi:
                     return
             judge(mid)
-
-    def _settle(
-        self,
-        policy: str,
-        prefill: int,
-        decode: int,
-        met: dict[int, Point],
-        missed: dict[int, Point],
-        judge: Any,
-    ) -> Point:
-        """Re-run the capacity found on every seed; if the pooled verdict turns, search below."""
-        for _ in range(8):
-            if not met:
-                break
-            lo = max(met)
-            full = self.run(policy, prefill, decode, lo)
-            if full.meets_slo:
-                met[lo] = full
-                break
-            del met[lo]
-            missed[lo] = full
-            if not self.ladder:
-                if met:
-                    self._bisect(judge, met, missed)
-                else:
-                    below = self.effective(math.floor(lo / 1.25))
-                    if below >= lo:
-                        break
-                    self._search(judge, met, missed, below, 1.25, prefill + decode)
-        if met:
-            out = met[max(met)]
-            above = [s for s in missed if s > out.sessions]
-            if above:
-                first = min(above)
-                out.sessions_missed = first
-                out.overload_binding = missed[first].binding
-            return out
-        # Nothing meets the SLO: the lightest load tried, over every seed.
-        lightest = min(missed)
-        out = self.run(policy, prefill, decode, lightest)
-        out.overload_binding = out.binding
-        return out
 
     def best_split(self, policy: str, nodes: int, start: int = 0) -> tuple[Point, dict[int, Point]]:
         """The split of `nodes` with the highest goodput: from `start` prefill nodes (default a
@@ -574,6 +552,48 @@ class Planner:
             else:
                 lo = n + 1
         return found
+
+
+def combine(per_seed: list[Point]) -> Point:
+    """One point of a split from each seed's capacity point: means (sessions rounded), the
+    per-seed values kept; it meets the SLO only if every seed found a load that does."""
+    k = len(per_seed)
+    first = per_seed[0]
+    keys = first.utilisation.keys()
+    util = {key: round(sum(p.utilisation.get(key, 0.0) for p in per_seed) / k, 4) for key in keys}
+    binding = max(util, key=util.__getitem__) if util and max(util.values()) > 0 else ""
+    missed = [p.sessions_missed for p in per_seed if p.sessions_missed]
+    over = [p.overload_binding for p in per_seed if p.overload_binding]
+    meets = all(p.meets_slo for p in per_seed)
+
+    def mean(xs: list[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        return sum(xs) / len(xs) if xs else math.nan
+
+    return Point(
+        policy=first.policy,
+        prefill=first.prefill,
+        decode=first.decode,
+        sessions=round(mean([p.sessions for p in per_seed])),
+        tokens_per_s=mean([p.tokens_per_s for p in per_seed]),
+        ttft_p90_s=mean([p.ttft_p90_s for p in per_seed]),
+        tpot_p90_s=mean([p.tpot_p90_s for p in per_seed]),
+        slo_attainment=round(mean([p.slo_attainment for p in per_seed]), 4),
+        meets_slo=meets,
+        binding=binding,
+        utilisation=util,
+        path_d_fraction=mean([p.path_d_fraction for p in per_seed]),
+        refused=sum(p.refused for p in per_seed),
+        truncated=sum(p.truncated for p in per_seed),
+        wall_s=sum(p.wall_s for p in per_seed),
+        seeds=[s for p in per_seed for s in p.seeds],
+        tokens_per_s_seeds=[p.tokens_per_s for p in per_seed],
+        ttft_p90_seeds=[p.ttft_p90_s for p in per_seed],
+        overload_binding=max(set(over), key=over.count) if over else "",
+        sessions_missed=round(mean(missed)) if len(missed) == k else 0,
+        sessions_seeds=[p.sessions for p in per_seed],
+        resolution_seeds=max((p.resolution for p in per_seed), default=1.0),
+    )
 
 
 def ties(best: Point, tried: dict[int, Point] | list[Point]) -> list[Point]:
@@ -935,7 +955,7 @@ def table(result: dict[str, Any]) -> str:
         f"plan for {result['trace']} on {where} ({result['model']}, "
         f"SLO TTFT p90 <= {result['slo']['ttft_p90_s']} s, TPOT p90 <= "
         f"{result['slo']['tpot_p90_s']} s; {k} seeds {result['seeds'][0]}..{result['seeds'][-1]}: "
-        "mean [95% interval], TTFT p90 pooled (per-seed range))",
+        "each seed at its own capacity; mean [95% interval], TTFT p90 mean (per-seed range))",
         f"{'policy':<13} {'P:D':>6} {'sessions':>11} {'tokens/s [interval]':>26} "
         f"{'TTFT p90 (seeds)':>18} {'TPOT p90':>8} {'SLO att':>7} {'path D':>6}  binding "
         "(at the next load: SLO missed)",
@@ -964,8 +984,9 @@ def table(result: dict[str, Any]) -> str:
                 + ("" if r["meets_slo"] else "  SLO missed at every load")
             )
     lines.append(
-        "sessions: the highest load meeting the SLO - the lightest that missed it (+: none "
-        "missed below the cap); * best, = not told apart from the best (intervals overlap)"
+        "sessions: the highest load meeting the SLO - the lightest that missed it, means over "
+        "seeds (+: none missed below the cap); * best, = not told apart from the best "
+        "(intervals overlap)"
     )
     lines.append("best per policy (*):")
     for pol, r in result["best"].items():
