@@ -98,6 +98,11 @@ def test_plan_cli_prints_table_json_plot_and_spec(tmp_path, capsys) -> None:
         assert {"tokens_per_s", "ttft_p90_s", "binding", "path_d_fraction"} <= set(b)
     assert out["best"]["prefill-read"]["path_d_fraction"] == 0.0
     assert "dualpath_over_baseline" in out
+    lo, hi = out["dualpath_over_baseline_interval"]
+    assert lo <= out["dualpath_over_baseline"] <= hi
+    assert len(out["dualpath_over_baseline_per_seed"]) == 2 == len(out["seeds"])
+    for b in out["best"].values():
+        assert b["tokens_per_s_interval"][0] <= b["tokens_per_s"] <= b["tokens_per_s_interval"][1]
     assert png.stat().st_size > 1000
     cfg = load(spec)
     assert cfg.spec.prefill.replicas == out["best"]["dualpath"]["prefill"]
