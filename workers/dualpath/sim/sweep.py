@@ -174,7 +174,8 @@ def heatmap(result: dict[str, Any], path: str) -> None:
         ax.set_xticks(range(len(snics)), [f"{x:g}" for x in snics])
         ax.set_yticks(range(len(kvs)), [f"{x:g}" for x in kvs])
         ax.set_xlabel("SNIC Gbit/s per node")
-        ax.set_ylabel("decode KV GB per node")
+        if ax is axes[0][0]:
+            ax.set_ylabel("decode KV GB per decode node")
         ax.set_title(f"{n} nodes: dualpath / {BASELINE}")
     if im is not None:
         fig.colorbar(im, ax=axes[0].tolist(), label="ratio at each one's best split")
