@@ -132,7 +132,7 @@ def heatmap(result: dict[str, Any], path: str) -> None:
     g = result["grid"]
     budgets, snics, kvs = g["nodes"], g["snic_gbps"], g["kv_gb_per_decode_node"]
     fig, axes = plt.subplots(
-        1, len(budgets), figsize=(4.2 * len(budgets) + 1, 3.2 + 0.6 * len(kvs)), squeeze=False
+        1, len(budgets), figsize=(5.2 * len(budgets) + 1, 3.2 + 0.7 * len(kvs)), squeeze=False
     )
     short = {
         "prefill_snic": "P-SNIC",
@@ -167,7 +167,7 @@ def heatmap(result: dict[str, Any], path: str) -> None:
                 label,
                 ha="center",
                 va="center",
-                fontsize=8,
+                fontsize=7.5,
                 fontweight="bold" if r and r["above_1_2"] else "normal",
             )
         im = ax.imshow(grid, origin="lower", cmap="RdYlGn", vmin=0.8, vmax=2.0, aspect="auto")
