@@ -260,6 +260,7 @@ class Simulator:
             )
             for i in range(cfg.decode_nodes)
         ]
+        self.nodes: list[_Prefill | _Decode] = [*self.pre, *self.dec]
         self.p_index = {n.state.node_id: i for i, n in enumerate(self.pre)}
         self.d_index = {n.state.node_id: i for i, n in enumerate(self.dec)}
         self.view = ClusterView(
@@ -290,14 +291,13 @@ class Simulator:
     def _refresh(self, now: float) -> None:
         """Heartbeat: every node reports its read-queue backlog."""
         bw = self.snic_bw
-        for n in self.pre:
-            n.state.read_pending_bytes = (
-                int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
-            )
-        for n in self.dec:
-            n.state.read_pending_bytes = (
-                int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
-            )
+        # Only a changed value is written: the setter tells the policy's pools to re-rank the
+        # node, and most read queues are empty (0 -> 0) at most heartbeats (the hot path).
+        for n in self.nodes:
+            v = int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
+            st = n.state
+            if st._read_pending_bytes != v:
+                st.read_pending_bytes = v
         self.last_refresh_s = now
 
     def _start(self, tr: Trajectory, at: float, session: int = -1) -> int:
