@@ -19,7 +19,16 @@ from dualpath import config
 from dualpath.config import API_VERSION_FULL, KIND, Role
 
 from . import metrics, scaling
-from .builders import CHILD_KINDS, CLUSTER_LABEL, POOL_KIND, child_name, render, token_secret
+from .builders import (
+    CERT_MANAGER,
+    CHILD_KINDS,
+    CLUSTER_LABEL,
+    POOL_KIND,
+    child_name,
+    operator_ca_secrets,
+    render,
+    token_secret,
+)
 from .builders.checks import spec_warnings
 from .builders.common import selector_labels
 from .builders.pods import scheduler_address
@@ -43,6 +52,9 @@ class ClusterApi(Protocol):
     def list(
         self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
     ) -> list[dict[str, Any]]: ...
+
+    def served(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves the kind (cert-manager's CRDs installed)."""
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete with a uid precondition (never a same-named successor)."""
@@ -190,16 +202,22 @@ def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResul
         }
     )
 
+    cfg = resolve_cert_manager(api, cfg)
     desired = render(cfg, owner)
     applied, failures = [], []
+    mode = cfg.spec.security.tls.mode
     try:
-        ensure_token(api, cfg, owner, log)
+        if mode is config.TlsMode.TOKEN:
+            ensure_token(api, cfg, owner, log)
+        elif mode is config.TlsMode.MTLS and not cfg.spec.security.tls.cert_manager:
+            ensure_operator_ca(api, cfg, owner, log)
     except Exception as err:
-        failure = describe(err, f"Secret/{child_name(cfg, 'token')}")
+        secret = child_name(cfg, "token" if mode is config.TlsMode.TOKEN else "ca")
+        failure = describe(err, f"Secret/{secret}")
         if failure.retryable:
             raise ChildApiError(failure) from err
         metrics.API_ERRORS.labels(failure.reason, "false").inc()
-        log.warning("token Secret refused: %s", failure.message)
+        log.warning("credentials Secret refused: %s", failure.message)
         failures.append(failure)
     for obj in desired:
         if obj["kind"] == POOL_KIND:
@@ -281,6 +299,32 @@ def ensure_token(api: ClusterApi, cfg: config.ClusterConfig, owner: dict, log) -
     if created:
         log.info("created the cluster token Secret %s", child_name(cfg, "token"))
     return created
+
+
+def resolve_cert_manager(api: ClusterApi, cfg: config.ClusterConfig) -> config.ClusterConfig:
+    """`cfg` with an unset `spec.security.tls.certManager` set to whether the API server serves
+    cert-manager's Certificates (its CRDs are installed), so the builders stay pure."""
+    tls = cfg.spec.security.tls
+    if tls.mode is not config.TlsMode.MTLS or tls.cert_manager is not None:
+        return cfg
+    found = api.served(CERT_MANAGER, "Certificate")
+    security = cfg.spec.security.model_copy(
+        update={"tls": tls.model_copy(update={"cert_manager": found})}
+    )
+    return cfg.model_copy(update={"spec": cfg.spec.model_copy(update={"security": security})})
+
+
+def ensure_operator_ca(api: ClusterApi, cfg: config.ClusterConfig, owner: dict, log) -> bool:
+    """Without cert-manager: create the CA Secret and, only when it was created now, the role
+    certificate Secrets it signs (create-only, like the token: the operator reads no Secret,
+    so a role Secret deleted alone is not re-issued; delete the CA Secret with it)."""
+    ca, *leaves = operator_ca_secrets(cfg, owner)
+    if not api.create_only(ca):
+        return False
+    for secret in leaves:
+        api.create_only(secret)
+    log.info("created the cluster CA Secret %s and its role certificates", ca["metadata"]["name"])
+    return True
 
 
 def _guard_pool(

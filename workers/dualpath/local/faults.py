@@ -17,7 +17,7 @@ injects one fault per row into the real processes and files while clients send r
 | disconnects | 100 streams cut by their client after the first chunk, then normal turns |
 | overload | a burst of concurrent turns far above what the nodes hold at once |
 | http-fuzz | 320 seeded malformed bodies (`dualpath.local.fuzz.http_cases`) |
-| grpc-fuzz | seeded malformed Scheduler calls with the cluster token (`grpc_cases`) |
+| grpc-fuzz | seeded malformed Scheduler calls with the cluster's credentials (`grpc_cases`; under mTLS the `admin` certificate, so worker-only methods are refused before validation) |
 | sigint | SIGINT to `dualpath up` while streams run: they must finish, no process left |
 
 Per row: requests sent, succeeded, failed cleanly (an HTTP error with a JSON body, or a
@@ -671,10 +671,10 @@ class Suite:
         return row
 
     async def _scheduler_in_flight_settles(self, timeout_s: float = 10.0) -> str:
-        from dualpath.grpc_auth import ClusterToken
+        from dualpath.local.cluster import run_dir_auth
         from dualpath.scheduler.client import SchedulerClient
 
-        cl = SchedulerClient(self.cl.scheduler, 5.0, ClusterToken(self.cl.run_dir / "token"))
+        cl = SchedulerClient(self.cl.scheduler, 5.0, run_dir_auth(self.cl.run_dir))
         t0 = time.monotonic()
         try:
             while True:
@@ -754,13 +754,13 @@ class Suite:
     async def grpc_fuzz_row(self) -> Row:
         import grpc
 
-        from dualpath.grpc_auth import ClusterToken
+        from dualpath.local.cluster import run_dir_auth
         from dualpath.local.fuzz import grpc_cases
         from dualpath.scheduler.client import channel
         from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
 
         row = Row("grpc-fuzz")
-        ch = channel(self.cl.scheduler, ClusterToken(self.cl.run_dir / "token"))
+        ch = channel(self.cl.scheduler, run_dir_auth(self.cl.run_dir))
         stub = pb_grpc.SchedulerStub(ch)
         bad = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
         codes: dict[str, int] = {}

@@ -8,8 +8,7 @@ import logging
 import signal
 
 from dualpath import config
-from dualpath.grpc_auth import ClusterToken, add_token_argument
-from dualpath.grpc_auth import load as load_token
+from dualpath.grpc_auth import Auth, add_token_argument, load_auth
 from dualpath.observability import ObservabilityServer, loop_liveness
 from dualpath.scheduler.policy import POLICY_NAMES
 from dualpath.units import gbps_to_bytes_per_s
@@ -31,7 +30,7 @@ def build(
     policy_name: str | None = None,
     host: str = "0.0.0.0",
     port: int = 0,
-    token: ClusterToken | None = None,
+    token: Auth | None = None,
 ):
     from dualpath.scheduler.policy import get_policy, thresholds_from_spec
     from dualpath.scheduler.policy.types import DEFAULT_CNIC_BYTES_PER_S
@@ -58,7 +57,9 @@ def build(
 async def serve(args: argparse.Namespace) -> None:
     cfg = config.load_or_default(args.file)
     port = args.port if args.port is not None else cfg.spec.scheduler.port
-    server = build(cfg, args.policy, args.host, port, load_token(args.token_file, "scheduler"))
+    server = build(
+        cfg, args.policy, args.host, port, load_auth(args.token_file, args.tls_dir, "scheduler")
+    )
     obs = ObservabilityServer(
         args.metrics_port, live=loop_liveness(asyncio.get_running_loop())
     ).start()

@@ -40,11 +40,12 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def channel(address: str, token: grpc_auth.ClusterToken | None = None) -> grpc.aio.Channel:
+def channel(address: str, token: grpc_auth.Auth | None = None) -> grpc.aio.Channel:
     return grpc_auth.channel(
         address,
         token,
         options=[("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+        server_role="scheduler",
     )
 
 
@@ -53,7 +54,7 @@ class SchedulerClient:
         self,
         address: str,
         timeout_s: float = 10.0,
-        token: grpc_auth.ClusterToken | None = None,
+        token: grpc_auth.Auth | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -147,7 +148,7 @@ class NodeAgent:
         interval_s: float = 0.02,
         rpc_timeout_s: float = 2.0,
         on_kv_snapshot: Callable[[int], None] | None = None,
-        token: grpc_auth.ClusterToken | None = None,
+        token: grpc_auth.Auth | None = None,
     ) -> None:
         self.reg = reg
         self.on_kv_snapshot = on_kv_snapshot  # the scheduler asks for a store scan (its id)

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_auth import Auth, add_port, server_interceptors
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import ReadPath
@@ -348,18 +348,21 @@ class SchedulerServer:
         servicer: SchedulerServicer,
         host: str = "0.0.0.0",
         port: int = 0,
-        token: ClusterToken | None = None,
+        token: Auth | None = None,
     ) -> None:
         self.servicer = servicer
-        # every call but health and reflection needs the cluster token (Register included)
-        self.server = grpc.aio.server(interceptors=server_interceptors(token, "scheduler"))
+        # every call but health and reflection needs the cluster token or, under mutual TLS, an
+        # identity that may make it (Register binds a node id to its caller's identity)
+        self.server = grpc.aio.server(
+            interceptors=server_interceptors(token, "scheduler", bind_nodes=True)
+        )
         pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self.server, f"{host}:{port}", token)
         self._liveness: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import ClusterToken, connected, server_interceptors
+from dualpath.grpc_auth import Auth, add_port, connected, server_interceptors
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
@@ -71,8 +71,9 @@ class NodeOptions:
     request_timeout_s: float | None = None  # one Prefill call, queueing for compute included
     drain_s: float | None = None  # drain bound on SIGTERM
     store_backend: str = "auto"
-    # the cluster token every gRPC call to and from this node carries (None: unauthenticated)
-    token: ClusterToken | None = None
+    # the cluster token every gRPC call to and from this node carries, or its mutual TLS
+    # certificate (`dualpath.tls`); None: unauthenticated
+    token: Auth | None = None
 
 
 def _given_or(given: float | None, spec_value: float) -> float:
@@ -284,7 +285,7 @@ class WorkerNode:
         wpb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.opts.host}:{self.opts.port}")
+        self.port = add_port(self._server, f"{self.opts.host}:{self.opts.port}", self.opts.token)
         await self._server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("dualpath.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
@@ -409,7 +410,10 @@ class WorkerNode:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = token_channel(
-                address, self.opts.token, options=[("grpc.max_receive_message_length", 64 << 20)]
+                address,
+                self.opts.token,
+                options=[("grpc.max_receive_message_length", 64 << 20)],
+                server_role="prefill",  # a decode node calls prefill nodes' Prefill only
             )
         await connected(ch)
         return wpb_grpc.WorkerStub(ch)
