@@ -49,6 +49,7 @@ def build(
         breaker_failures=s.breaker_failures,
         breaker_cooldown_s=s.breaker_open_seconds,
         max_in_flight_per_node=s.max_in_flight_per_node,
+        route_lease_s=s.route_lease_seconds,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
     return SchedulerServer(servicer, host, port, token)

@@ -127,6 +127,9 @@ class _CurrentStub:
 # Re-registration backoff: from REGISTER_BACKOFF_S, doubling, at most REGISTER_BACKOFF_MAX_S.
 REGISTER_BACKOFF_S = 0.05
 REGISTER_BACKOFF_MAX_S = 0.5
+# Claims kept for the next heartbeat while none flows: the newest (an older route is released by
+# its lease at worst, or was forgotten by a restarted scheduler anyway).
+MAX_CLAIMS_KEPT = 4096
 
 
 class NodeAgent:
@@ -170,6 +173,17 @@ class NodeAgent:
         self.refusals = 0  # registrations refused in a row (another process holds the id)
         # one per process start: the scheduler tells a restarted process from a second one
         self.incarnation = uuid.uuid4().hex[:16]
+        # routed requests whose call reached this node, for the next heartbeat (`claim`)
+        self._claimed: list[str] = []
+
+    def claim(self, request_id: str) -> None:
+        """A routed request's call reached this node: the next heartbeat tells the scheduler,
+        which then holds it open until its Complete instead of releasing it after the route
+        lease (spec.scheduler.routeLeaseSeconds)."""
+        if request_id:
+            self._claimed.append(request_id)
+            if len(self._claimed) > MAX_CLAIMS_KEPT:  # no heartbeat flows (scheduler down)
+                del self._claimed[: len(self._claimed) - MAX_CLAIMS_KEPT]
 
     def start(self) -> NodeAgent:
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.reg.node_id}")
@@ -204,8 +218,12 @@ class NodeAgent:
 
     async def _beats(self):
         while not self._stopping.is_set():
+            claimed, self._claimed = self._claimed, []
             yield pb.Heartbeat(
-                node_id=self.reg.node_id, load=load_to_pb(self.load()), incarnation=self.incarnation
+                node_id=self.reg.node_id,
+                load=load_to_pb(self.load()),
+                incarnation=self.incarnation,
+                claimed_request_ids=claimed,
             )
             try:
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.interval_s)

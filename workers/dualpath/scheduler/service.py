@@ -140,6 +140,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 known = self.state.heartbeat(hb.node_id, **ld._asdict(), incarnation=hb.incarnation)
                 snapshot_id = 0
                 if known:
+                    if hb.claimed_request_ids:
+                        self.state.claim(hb.node_id, hb.claimed_request_ids)
                     if stream is None or stream[0] != hb.node_id:
                         token = self.state.stream_opened(hb.node_id)
                         stream = (hb.node_id, token) if token is not None else None
@@ -380,6 +382,11 @@ class SchedulerServer:
             state = self.servicer.state
             for node_id in state.expire():
                 m.NODE_HEALTHY.labels(node_id).set(0)
+            released = state.release_unclaimed()
+            if released:
+                m.ROUTES_RELEASED.inc(len(released))
+                m.IN_FLIGHT.set(len(state.in_flight))
+                self.servicer._notify()  # slots freed: routes waiting for room try again
             for node_id in state.forget_silent():
                 m.NODES_FORGOTTEN.inc()
                 for gauge in (m.NODE_HEALTHY, m.NODE_READ_PENDING, m.NODE_TOKENS):

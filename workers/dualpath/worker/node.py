@@ -107,6 +107,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         if n.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
         n.inflight += 1  # a drain waits for it: its reads, relays and handoff to decode
+        n.claim(request.request_id)
         try:
             with n.transfer.active():
                 await n.prefill.serve(request, context)
@@ -141,6 +142,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         if n.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} is stopping")
         n.inflight += 1
+        n.claim(request.request_id)
         try:
             async for chunk in n.decode.generate(request):
                 yield chunk
@@ -339,6 +341,11 @@ class WorkerNode:
             ).start()
             self._agent.on_kv_snapshot = self._publisher.request_snapshot
         self._agent.start()
+
+    def claim(self, request_id: str) -> None:
+        """A routed request's call reached this node: the scheduler stops its route lease."""
+        if self._agent is not None:
+            self._agent.claim(request_id)
 
     async def flush_kv_events(self) -> None:
         """Wait until the scheduler's block index has this store's events so far."""
