@@ -661,7 +661,7 @@ class SchedulerSpec(_Model):
     (half-open): a success closes it, a failure opens it for this long again."""
     port: int = Field(default=50051, ge=1, le=65535)
     """gRPC port of the scheduler (not the metrics port 9090)."""
-    route_lease_seconds: float = Field(default=30.0, gt=0, le=3600)
+    route_lease_seconds: float = Field(default=10.0, gt=0, le=3600)
     """A routed request that no worker claims (its Generate or Prefill never arrives: the
     client or frontend went away between Route and the call) is released after this long:
     counted, out of the in-flight count and of a draining worker's wait."""

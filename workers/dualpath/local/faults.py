@@ -245,6 +245,54 @@ class Result:
     cached: int = 0
     decode_node: str = ""
     error: str = ""
+    # a wrong answer's whole story (`wrong_answer`): what one occurrence is diagnosed from
+    evidence: dict[str, Any] | None = None
+
+
+def wrong_answer(
+    i: int,
+    ids: list[int] | None,
+    ref: tuple[list[int], str],
+    cached: int,
+    dualpath: dict[str, Any],
+    text: str | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """A wrong answer to prompt `i` against its reference (token ids, text): the one-line
+    error (the first differing token, the turn's cached tokens, read path and nodes) and the
+    evidence kept with the row (both answers' token ids and texts too)."""
+    ref_ids, ref_text = ref
+    at = None
+    if ids is not None:
+        at = next((k for k, (a, b) in enumerate(zip(ids, ref_ids, strict=False)) if a != b), None)
+        if at is None and len(ids) != len(ref_ids):
+            at = min(len(ids), len(ref_ids))
+    where = (
+        f"{cached} cached tokens read via path {dualpath.get('read_path')}, prefill "
+        f"{dualpath.get('prefill_node')}, decode {dualpath.get('decode_node')}"
+    )
+    if at is not None:
+        assert ids is not None
+        error = (
+            f"prompt {i}: token {at} differs (got {ids[at : at + 3]}, reference "
+            f"{ref_ids[at : at + 3]}); {where}"
+        )
+    else:
+        error = f"prompt {i}: text {text!r}, reference {ref_text!r} (same token ids); {where}"
+    evidence = {
+        "prompt": i,
+        "first_differing_token": at,
+        "cached_tokens": cached,
+        "read_path": dualpath.get("read_path"),
+        "prefill_node": dualpath.get("prefill_node"),
+        "decode_node": dualpath.get("decode_node"),
+        "policy": dualpath.get("policy"),
+        "session_id": dualpath.get("session_id"),
+        "token_ids": ids,
+        "reference_token_ids": ref_ids,
+        "text": text,
+        "reference_text": ref_text,
+    }
+    return error, evidence
 
 
 def prompt_ids(i: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -271,13 +319,16 @@ class Client:
         await self.http.aclose()
 
     def body(self, i: int, max_tokens: int = GEN_TOKENS, stream: bool = False) -> dict:
-        return {
+        body = {
             "model": self.model,
             "prompt": prompt_ids(i),
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": stream,
         }
+        if stream:  # the usage chunk: a streamed turn's cached tokens, for its evidence
+            body["stream_options"] = {"include_usage": True}
+        return body
 
     async def turn(
         self,
@@ -324,16 +375,8 @@ class Client:
             res.wrong = ref is not None and max_tokens == GEN_TOKENS and ids != ref[0]
             if res.wrong:
                 assert ref is not None
-                at = next(
-                    (k for k, (a, b) in enumerate(zip(ids, ref[0], strict=False)) if a != b), None
-                )
-                at = min(len(ids), len(ref[0])) if at is None else at
-                dp = obj["dualpath"]
-                res.error = (
-                    f"prompt {i}: token {at} differs (got {ids[at : at + 3]}, reference "
-                    f"{ref[0][at : at + 3]}); {res.cached} cached tokens read via path "
-                    f"{dp.get('read_path')}, prefill {dp.get('prefill_node')}, decode "
-                    f"{res.decode_node}"
+                res.error, res.evidence = wrong_answer(
+                    i, ids, ref, res.cached, obj["dualpath"], choice.get("text")
                 )
                 log.warning("wrong answer: %s; got %s, reference %s", res.error, ids, ref[0])
             return
@@ -351,12 +394,24 @@ class Client:
         elif st.done:
             res.kind = "ok"
             res.empty = not st.finish_reason or (not st.text and st.finish_reason == "length")
+            dp = (st.final or {}).get("dualpath") or {}
+            ids = dp.get("token_ids")
+            res.cached = ((st.usage or {}).get("prompt_tokens_details") or {}).get(
+                "cached_tokens", 0
+            )
+            res.decode_node = dp.get("decode_node", "")
             ref = self.refs.get(i)
-            res.wrong = ref is not None and max_tokens == GEN_TOKENS and ref[1] != st.text
+            res.wrong = (
+                ref is not None
+                and max_tokens == GEN_TOKENS
+                and (ref[1] != st.text or (ids is not None and ids != ref[0]))
+            )
             if res.wrong:
                 assert ref is not None
-                res.error = f"prompt {i}: streamed text {st.text!r}, reference {ref[1]!r}"
-                log.warning("wrong answer: %s", res.error)
+                res.error, res.evidence = wrong_answer(i, ids, ref, res.cached, dp, st.text)
+                log.warning(
+                    "wrong streamed answer: %s; got %s, reference %s", res.error, ids, ref[0]
+                )
         else:
             res.kind, res.error = "lost", "stream ended without [DONE] or an error event"
 
@@ -399,6 +454,9 @@ class Client:
 # ---- rows ------------------------------------------------------------------------------------
 
 
+MAX_EVIDENCE = 20  # bad answers kept per row
+
+
 @dataclass
 class Row:
     fault: str
@@ -414,11 +472,19 @@ class Row:
     note: str = ""
     bars: list[str] = field(default_factory=list)  # bars this row missed (empty: all held)
     first_bad: str = ""  # the first lost, hung or wrong answer's error, for the note
+    # each lost, hung or wrong answer (the first MAX_EVIDENCE): kept with the run's logs
+    evidence: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, results: list[Result], bad_input: bool = False) -> None:
         for r in results:
-            if (r.kind in ("lost", "hung") or r.wrong) and not self.first_bad:
-                self.first_bad = f"first {'wrong' if r.wrong else r.kind}: {r.error[:160]}"
+            if r.kind in ("lost", "hung") or r.wrong:
+                if not self.first_bad:
+                    self.first_bad = f"first {'wrong' if r.wrong else r.kind}: {r.error[:160]}"
+                if len(self.evidence) < MAX_EVIDENCE:
+                    kind = "wrong" if r.wrong else r.kind
+                    self.evidence.append(
+                        {"kind": kind, "error": r.error, "status": r.status, **(r.evidence or {})}
+                    )
             self.sent += 1
             if r.kind == "ok":
                 self.succeeded += 1
@@ -919,7 +985,25 @@ async def run_rows(
         while mounted and os.path.ismount(storage):  # the tmpfs (and a bind left over)
             if subprocess.run(["umount", "-l", str(storage)], capture_output=True).returncode:
                 break
+        if any(r.bars for r in done):
+            keep_evidence(out, done)
     return done
+
+
+def keep_evidence(out: Path, rows: list[Row]) -> Path:
+    """A failed run's evidence, where the next run does not overwrite it:
+    `out/failures/<UTC time>/` with the cluster log, the config, the run directory's
+    `cluster.yaml` and `evidence.json` (each failed row's bars, note and bad answers)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = out / "failures" / stamp
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in (out / "cluster.log", out / "faults.yaml", out / "run" / "cluster.yaml"):
+        if src.exists():
+            shutil.copy2(src, dest / src.name)
+    failed = [asdict(r) for r in rows if r.bars]
+    (dest / "evidence.json").write_text(json.dumps(failed, indent=2))
+    log.warning("a row failed: its evidence and the cluster log are kept in %s", dest)
+    return dest
 
 
 async def _row(s: Suite, name: str) -> Row:
@@ -1015,4 +1099,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(done))
         print(f"\ncluster log: {Path(args.out) / 'cluster.log'}")
+        if any(r.bars for r in done):
+            print(f"evidence of the failed rows: {Path(args.out) / 'failures'}/<latest>/")
     return 0 if all(not r.bars for r in done) else 1
