@@ -14,7 +14,8 @@ identity (`tls.Identity`: role and node) may do with each method:
 - `Route`, `Complete`: the frontend (or `admin`, an operator's tool).
 - `Drain`: the node itself, or `admin`. `ClusterView`: any cluster identity.
 - Worker `Prefill`: a decode identity, for itself (`decode_node`, and the NIXL agent it names:
-  the decode worker's agent is its node id) -- no pod can have another pod's KV relayed to it.
+  a decode worker's agent is named after its node id) -- no pod has KV meant for another pod
+  sent to itself, nor KV sent to another pod in its name.
 - Worker `Generate`: the frontend or `admin`. `GetTransferInfo`: prefill or decode.
 
 Refusals are PERMISSION_DENIED, counted (`dualpath_grpc_identity_refused_total`) and logged.
@@ -99,8 +100,10 @@ def _register_role(who: Identity, request) -> str | None:  # noqa: ANN001
 
 
 def _prefill_agent(who: Identity, request) -> str | None:  # noqa: ANN001
-    if who.names_node and request.decode_agent and request.decode_agent != who.node:
-        return f"{who.uri} may not have KV sent to agent {request.decode_agent!r}"
+    # a node's NIXL agent is named `<node id>-<pid>-<random>` (transfer.engine): its own only
+    agent = request.decode_agent
+    if who.names_node and agent and agent != who.node and not agent.startswith(f"{who.node}-"):
+        return f"{who.uri} may not have KV sent to agent {agent!r}"
     return None
 
 

@@ -80,26 +80,26 @@ async def _code(coro) -> grpc.StatusCode:
 async def test_a_decode_certificate_registers_its_own_node_only(ca, scheduler):
     async with channel(scheduler, creds(ca, "decode-0"), server_role="scheduler") as ch:
         stub = pb_grpc.SchedulerStub(ch)
-        assert await _code(stub.Register(_register("decode-1"), timeout=5)) == DENIED
-        assert await _code(stub.Register(_register("prefill-0", pb.ROLE_PREFILL), timeout=5)) == (
+        assert await _code(stub.Register(_register("decode-1"), timeout=30)) == DENIED
+        assert await _code(stub.Register(_register("prefill-0", pb.ROLE_PREFILL), timeout=30)) == (
             DENIED
         )
-        assert await _code(stub.Register(_register("decode-0", pb.ROLE_PREFILL), timeout=5)) == (
+        assert await _code(stub.Register(_register("decode-0", pb.ROLE_PREFILL), timeout=30)) == (
             DENIED
         )
-        await stub.Register(_register("decode-0"), timeout=5)  # its own: accepted
+        await stub.Register(_register("decode-0"), timeout=30)  # its own: accepted
 
         async def beats(node_id):
             yield pb.Heartbeat(node_id=node_id, load=load_to_pb(NodeLoad()))
 
-        call = stub.Heartbeats(beats("decode-1"), timeout=5)
+        call = stub.Heartbeats(beats("decode-1"), timeout=30)
         assert await _code(call.read()) == DENIED
-        assert await _code(stub.Drain(pb.DrainRequest(node_id="decode-1"), timeout=5)) == DENIED
-        assert await _code(stub.Route(pb.RouteRequest(prompt_tokens=8), timeout=5)) == DENIED
+        assert await _code(stub.Drain(pb.DrainRequest(node_id="decode-1"), timeout=30)) == DENIED
+        assert await _code(stub.Route(pb.RouteRequest(prompt_tokens=8), timeout=30)) == DENIED
 
     async with channel(scheduler, creds(ca, "frontend"), server_role="scheduler") as ch:
         stub = pb_grpc.SchedulerStub(ch)
-        assert await _code(stub.Register(_register("decode-9"), timeout=5)) == DENIED
+        assert await _code(stub.Register(_register("decode-9"), timeout=30)) == DENIED
 
     # the real agent, with its own certificate, registers and heartbeats: the scheduler lists it
     agent = NodeAgent(
@@ -122,7 +122,7 @@ async def test_a_plaintext_or_foreign_client_is_refused(ca, scheduler, tmp_path)
     plain = grpc.aio.insecure_channel(scheduler)
     try:
         code = await _code(
-            pb_grpc.SchedulerStub(plain).ClusterView(pb.ClusterViewRequest(), timeout=5)
+            pb_grpc.SchedulerStub(plain).ClusterView(pb.ClusterViewRequest(), timeout=30)
         )
         assert code == grpc.StatusCode.UNAVAILABLE  # the TLS handshake fails: no call at all
     finally:
@@ -131,7 +131,7 @@ async def test_a_plaintext_or_foreign_client_is_refused(ca, scheduler, tmp_path)
     other.issue_dir("decode-0", "decode", "decode-0")
     async with channel(scheduler, creds(other, "decode-0"), server_role="scheduler") as ch:
         stub = pb_grpc.SchedulerStub(ch)
-        assert await _code(stub.Register(_register("decode-0"), timeout=5)) == (
+        assert await _code(stub.Register(_register("decode-0"), timeout=30)) == (
             grpc.StatusCode.UNAVAILABLE
         )
 
@@ -157,20 +157,23 @@ async def _prefill_code(address: str, who: TlsCredentials, decode_node: str, age
         req = wpb.PrefillRequest(
             request_id="r1", prompt_tokens=[1, 2], decode_node=decode_node, decode_agent=agent
         )
-        return await _code(wpb_grpc.WorkerStub(ch).Prefill(req, timeout=5).read())
+        return await _code(wpb_grpc.WorkerStub(ch).Prefill(req, timeout=30).read())
 
 
 async def test_prefill_only_from_a_decode_certificate_for_its_own_node(ca, prefill_server):
     reached = grpc.StatusCode.FAILED_PRECONDITION
     assert await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-0") == reached
+    agent = "decode-0-4242-a1b2c3"  # a real agent's name: <node id>-<pid>-<random>
+    assert await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-0", agent) == reached
     assert await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-1") == DENIED
     assert (
-        await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-0", "decode-1") == DENIED
+        await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-0", "decode-1-42-ab")
+        == DENIED
     )
     assert await _prefill_code(prefill_server, creds(ca, "frontend"), "decode-0") == DENIED
     assert await _prefill_code(prefill_server, creds(ca, "prefill-0"), "prefill-0") == DENIED
     # a client that expects a decode server at this address refuses the prefill certificate
     async with channel(prefill_server, creds(ca, "decode-0"), server_role="decode") as ch:
         req = wpb.PrefillRequest(request_id="r2", decode_node="decode-0")
-        code = await _code(wpb_grpc.WorkerStub(ch).Prefill(req, timeout=5).read())
+        code = await _code(wpb_grpc.WorkerStub(ch).Prefill(req, timeout=30).read())
         assert code == grpc.StatusCode.UNAVAILABLE
