@@ -197,7 +197,21 @@ def test_every_pod_mounts_the_cluster_token_and_passes_it_to_its_process(example
 
 
 def test_every_pod_mounts_its_tls_directory_and_no_token_under_mtls(example):
+    """Without cert-manager each pod mounts its role's Secret: exactly the Secrets the operator
+    (or `dualpath render --tls-secrets`) creates, the CA's key in none of the mounted ones."""
+    from dualpath_operator.builders import operator_ca_secrets
+
     rendered = pods(example)
+    ca, *leaves = operator_ca_secrets(example, OWNER)
+    mounted = {
+        v["secret"]["secretName"]
+        for tpl in rendered.values()
+        for v in tpl["spec"]["volumes"]
+        if v["name"] == "tls"
+    }
+    assert mounted == {s["metadata"]["name"] for s in leaves}
+    assert ca["metadata"]["name"] not in mounted
+    assert all("ca.key" not in s["stringData"] for s in leaves)
     for comp, tpl in rendered.items():
         (c,) = tpl["spec"]["containers"]
         ns = _parse(c["args"])
