@@ -190,15 +190,22 @@ class IdentityInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _wrap(handler: grpc.RpcMethodHandler, method: str, ic: IdentityInterceptor):
-    """`handler` with the identity checked at the call's start and on each request message."""
+    """`handler` with the identity checked at the call's start (a unary request) or on each
+    request message (a streamed one)."""
 
     async def checked_stream(requests: AsyncIterator, context) -> AsyncIterator:  # noqa: ANN001
+        # checked as each message is read, not before: a refusal before the server reads the
+        # first message races the client's write of it, which grpc reports as INTERNAL
+        seen = False
         async for msg in requests:
+            seen = True
             try:
                 ic._check(method, context, msg)
             except Denied as err:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
             yield msg
+        if not seen:  # an empty stream: its caller is checked all the same
+            await start(None, context)
 
     async def start(request, context) -> bool:  # noqa: ANN001
         try:
@@ -211,7 +218,6 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, ic: IdentityInterceptor):
         inner = handler.stream_stream
 
         async def behaviour(requests, context):  # noqa: ANN001, ANN202
-            await start(None, context)
             async for out in inner(checked_stream(requests, context), context):
                 yield out
 
@@ -220,7 +226,6 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, ic: IdentityInterceptor):
         inner = handler.stream_unary
 
         async def behaviour(requests, context):  # noqa: ANN001, ANN202
-            await start(None, context)
             return await inner(checked_stream(requests, context), context)
 
         make = grpc.stream_unary_rpc_method_handler

@@ -455,6 +455,7 @@ class Client:
 
 
 MAX_EVIDENCE = 20  # bad answers kept per row
+WORKER_METHODS = frozenset({"Register", "Heartbeats", "KvEvents", "KvSnapshot"})
 
 
 @dataclass
@@ -477,11 +478,12 @@ class Row:
 
     def add(self, results: list[Result], bad_input: bool = False) -> None:
         for r in results:
-            if r.kind in ("lost", "hung") or r.wrong:
+            bad_5xx = bad_input and r.status >= 500
+            if r.kind in ("lost", "hung") or r.wrong or bad_5xx:
+                kind = "wrong" if r.wrong else "5xx" if bad_5xx else r.kind
                 if not self.first_bad:
-                    self.first_bad = f"first {'wrong' if r.wrong else r.kind}: {r.error[:160]}"
+                    self.first_bad = f"first {kind}: {r.error[:160]}"
                 if len(self.evidence) < MAX_EVIDENCE:
-                    kind = "wrong" if r.wrong else r.kind
                     self.evidence.append(
                         {"kind": kind, "error": r.error, "status": r.status, **(r.evidence or {})}
                     )
@@ -827,7 +829,10 @@ class Suite:
 
         row = Row("grpc-fuzz")
         ch = channel(self.cl.scheduler, run_dir_auth(self.cl.run_dir))
-        stub = pb_grpc.SchedulerStub(ch)
+        # the workers' methods with a role-wide decode certificate of the run's CA (under mTLS):
+        # malformed input reaches the scheduler's validation instead of the identity check
+        wch = channel(self.cl.scheduler, self._worker_auth())
+        stubs = (pb_grpc.SchedulerStub(ch), pb_grpc.SchedulerStub(wch))
         bad = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
         codes: dict[str, int] = {}
         results = []
@@ -835,7 +840,7 @@ class Suite:
         try:
             for case in cases:
                 res = Result("ok", start_s=time.monotonic())
-                call = getattr(stub, case.method)
+                call = getattr(stubs[case.method in WORKER_METHODS], case.method)
                 try:
                     if case.method in ("Heartbeats", "KvSnapshot"):
                         await _stream_call(call(timeout=5), case.request)
@@ -855,6 +860,7 @@ class Suite:
                 results.append(res)
         finally:
             await ch.close()
+            await wch.close()
         after = [await self.c.turn(i) for i in self.ref_ids[:4]]
         row.add(results, bad_input=True)
         row.add(after)
@@ -865,6 +871,17 @@ class Suite:
             + "; then 4 good turns"
         )
         return row
+
+    def _worker_auth(self):  # noqa: ANN202
+        """A role-wide decode certificate of the run's CA (mTLS), else the run's credentials."""
+        from dualpath.local.cluster import run_dir_auth
+        from dualpath.tls import LocalCA, TlsCredentials
+
+        tls = self.cl.run_dir / "tls"
+        if not (tls / "ca").is_dir():
+            return run_dir_auth(self.cl.run_dir)
+        name = yaml.safe_load((self.cl.run_dir / "cluster.yaml").read_text())["metadata"]["name"]
+        return TlsCredentials(LocalCA(tls, name).issue_dir("fuzz", "decode"))
 
     async def sigint_row(self) -> Row:
         row = Row("sigint")
