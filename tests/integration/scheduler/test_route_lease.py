@@ -74,3 +74,70 @@ async def test_an_unclaimed_route_is_released_within_its_lease(tmp_path):
         await client.close()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+async def test_sigint_does_not_wait_for_routes_whose_call_never_came(tmp_path):
+    """Real scheduler and worker processes under mutual TLS. Four routes to the decode worker
+    are never used (no Generate comes); SIGINT to the worker: its drain sees them open, then
+    released by their lease, and it drains cleanly, long before its drain bound."""
+    import subprocess
+    import sys
+
+    from dualpath.tls import LocalCA, TlsCredentials
+    from tiny_configs import pools
+
+    drain_s = 120
+    cfg = tiny_cluster(
+        "lease",
+        **pools(1, 16 << 20),
+        storage={"path": str(tmp_path / "kv")},
+        scheduler={"routeLeaseSeconds": LEASE_S},
+        workers={"drainSeconds": drain_s},
+    )
+    cfg_file = str(write_config(cfg, tmp_path / "c.yaml"))
+    ca = LocalCA(tmp_path / "tls", "lease")
+    for name, role in (
+        ("scheduler", "scheduler"),
+        ("prefill-0", "prefill"),
+        ("decode-0", "decode"),
+    ):
+        ca.issue_dir(name, role, name)
+    ca.issue_dir("frontend", "frontend", "frontend")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["-f", cfg_file, "--host", "127.0.0.1"]
+    sched, _ = spawn_ready(
+        ["scheduler", *common, "--port", str(port), "--tls-dir", str(ca.dir / "scheduler")]
+    )
+    procs, logs = [sched], {}
+    client = SchedulerClient(address, token=TlsCredentials(ca.dir / "frontend"))
+    try:
+        for node, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+            logs[node] = tmp_path / f"{node}.log"
+            with open(logs[node], "w") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "dualpath.cli", "worker", "--role", role, *common]
+                    + ["--node-id", node, "--scheduler", address, "--storage", str(tmp_path)]
+                    + ["--tls-dir", str(ca.dir / node)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+            procs.append(proc)
+        await wait_nodes(client, 2, timeout_s=120)
+        for _ in range(4):
+            await client.route(prompt_tokens=64, max_new_tokens=4)
+        decode = procs[2]
+        decode.send_signal(signal.SIGINT)
+        decode.wait(timeout=drain_s)  # within the drain bound, or this raises
+        text = logs["decode-0"].read_text()
+        assert "4 routed requests open" in text  # it did see them...
+        assert "drained in" in text and "drain time" not in text  # ...and did not wait them out
+    finally:
+        await client.close()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
