@@ -389,7 +389,9 @@ class PoolSpec(_Model):
     """One role's pool of worker pods (prefill or decode)."""
 
     replicas: int = Field(default=1, ge=0, le=4096)
-    """Worker pods of this role; scale with `kubectl scale dualpathpool/<name>-<role>`."""
+    """Worker pods of this role when its pool is created; after that the DualPathPool owns the
+    count (scale with `kubectl scale dualpathpool/<name>-<role>` or an HPA) and an edit here
+    scales nothing."""
     gpus_per_pod: int = Field(default=0, ge=0, le=16)
     """nvidia.com/gpu per worker pod (0: CPU)."""
     image: str | None = Field(default=None, min_length=1)
