@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, ResourceNotFoundError
 
 from .reconcile import FIELD_MANAGER
 
@@ -72,8 +72,18 @@ class KubeApi:
         except NotFoundError:
             return None
 
+    def served(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves the kind (its CRD is installed): discovery only."""
+        try:
+            self._res(api_version, kind)
+        except ResourceNotFoundError:
+            return False
+        return True
+
     def list(self, api_version, kind, namespace, labels) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        if not self.served(api_version, kind):
+            return []  # a kind not installed (cert-manager's) holds no children
         out = self._res(api_version, kind).get(
             namespace=namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
         )

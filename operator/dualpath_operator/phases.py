@@ -1,6 +1,6 @@
 """The phases of one reconcile pass, run in order over a `Pass` (the reads and decisions so far).
 
-    parse -> replicas -> token -> apply -> prune -> observe -> pool status   (then the status)
+    parse -> replicas -> token (credentials) -> apply -> prune -> observe -> pool status   (then the status)
 
 Each phase is a small function `phase(p: Pass) -> None` that reads what earlier phases left on
 `p`, does its API calls, and records what went wrong as `Problem`s naming its condition
@@ -22,7 +22,16 @@ from dualpath import config
 from dualpath.config import Role
 
 from . import metrics, scaling
-from .builders import CHILD_KINDS, CLUSTER_LABEL, POOL_KIND, child_name, pool_for_apply, render
+from .builders import (
+    CERT_MANAGER,
+    CHILD_KINDS,
+    CLUSTER_LABEL,
+    POOL_KIND,
+    child_name,
+    operator_ca_secrets,
+    pool_for_apply,
+    render,
+)
 from .builders import token_secret as build_token_secret
 from .builders.common import selector_labels
 from .k8s_errors import ApiFailure, describe, is_not_found
@@ -118,6 +127,21 @@ def parse_spec(p: Pass) -> None:
     except config.ConfigError as err:
         p.problems.append(Problem("InvalidSpec", f"invalid spec: {err}", condition=SPEC_VALID))
         p.stopped = True
+        return
+    p.cfg = resolve_cert_manager(p.api, p.cfg)
+
+
+def resolve_cert_manager(api: ClusterApi, cfg: config.ClusterConfig) -> config.ClusterConfig:
+    """`cfg` with an unset `spec.security.tls.certManager` set to whether the API server serves
+    cert-manager's Certificates (its CRDs are installed), so the builders stay pure."""
+    tls = cfg.spec.security.tls
+    if tls.mode is not config.TlsMode.MTLS or tls.cert_manager is not None:
+        return cfg
+    found = api.served(CERT_MANAGER, "Certificate")
+    security = cfg.spec.security.model_copy(
+        update={"tls": tls.model_copy(update={"cert_manager": found})}
+    )
+    return cfg.model_copy(update={"spec": cfg.spec.model_copy(update={"security": security})})
 
 
 def resolve_replicas(p: Pass) -> None:
@@ -141,21 +165,46 @@ def resolve_replicas(p: Pass) -> None:
 
 
 def ensure_token(p: Pass) -> None:
-    """Create the cluster token Secret when it is absent (a deleted one comes back, with a new
-    token); an existing one is never rewritten, so its token changes only when a person
-    rotates it. Only `create` on Secrets is needed: the operator reads no Secret."""
+    """The cluster's gRPC credentials (`spec.security.tls.mode`). token: create the cluster
+    token Secret when it is absent (a deleted one comes back, with a new token); an existing
+    one is never rewritten, so its token changes only when a person rotates it. mtls without
+    cert-manager: the operator's CA (`ensure_operator_ca`). Only `create` on Secrets is
+    needed: the operator reads no Secret."""
     from dualpath.grpc_auth import new_token
 
     cfg = p.cfg
     assert cfg is not None
-    name = child_name(cfg, "token")
+    tls = cfg.spec.security.tls
+    if tls.mode is config.TlsMode.MTLS and not tls.cert_manager:
+        name = child_name(cfg, "ca")
+        make = ensure_operator_ca
+    elif tls.mode is config.TlsMode.TOKEN:
+        name = child_name(cfg, "token")
+
+        def make(p: Pass) -> None:
+            if p.api.create_only(build_token_secret(cfg, p.owner, new_token())):
+                p.log.info("created the cluster token Secret %s", name)
+    else:
+        return  # cert-manager issues the certificates (applied with the children), or off
     try:
-        if p.api.create_only(build_token_secret(cfg, p.owner, new_token())):
-            p.log.info("created the cluster token Secret %s", name)
+        make(p)
     except Exception as err:
         failure = describe(err, f"Secret/{name}")
         _raise_if_retryable(failure, TOKEN_READY, err)
-        p.refused(failure, TOKEN_READY, "token Secret")
+        p.refused(failure, TOKEN_READY, "credentials Secret")
+
+
+def ensure_operator_ca(p: Pass) -> None:
+    """Without cert-manager: create the CA Secret and, only when it was created now, the role
+    certificate Secrets it signs (create-only, like the token: the operator reads no Secret,
+    so a role Secret deleted alone is not re-issued; delete the CA Secret with it)."""
+    assert p.cfg is not None
+    ca, *leaves = operator_ca_secrets(p.cfg, p.owner)
+    if not p.api.create_only(ca):
+        return
+    for secret in leaves:
+        p.api.create_only(secret)
+    p.log.info("created the cluster CA Secret %s and its role certificates", ca["metadata"]["name"])
 
 
 def apply_children(p: Pass) -> None:
@@ -323,7 +372,11 @@ PHASES: tuple[Phase, ...] = (
         resolve_replicas,
         PhaseOutcome(SCALE_ACCEPTED, "each StatefulSet gets its DualPathPool's count"),
     ),
-    Phase("token", ensure_token, PhaseOutcome(TOKEN_READY, "the cluster token Secret exists")),
+    Phase(
+        "token",  # the name of the phase since the token; it makes the CA Secret too
+        ensure_token,
+        PhaseOutcome(TOKEN_READY, "the cluster's gRPC credentials exist (token or CA Secret)"),
+    ),
     Phase("apply", apply_children, PhaseOutcome(CHILDREN_APPLIED, "every child applied")),
     Phase(
         "prune",

@@ -43,6 +43,9 @@ class ClusterApi(Protocol):
         self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
     ) -> list[dict[str, Any]]: ...
 
+    def served(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves the kind (cert-manager's CRDs installed)."""
+
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete with a uid precondition (never a same-named successor)."""
 

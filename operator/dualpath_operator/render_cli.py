@@ -1,5 +1,6 @@
 """`dualpath render -f cluster.yaml`: exactly the manifests the operator applies (and, with
-`--token-secret`, the random token Secret it creates once)."""
+`--token-secret`, the random token Secret it creates once; with `--tls-secrets`, the CA and role
+certificate Secrets it creates once without cert-manager)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "creates once when absent (without the operator: `kubectl create` it once; applying a "
         "new one rotates the token under running pods)",
     )
+    parser.add_argument(
+        "--tls-secrets",
+        action="store_true",
+        help="also print a fresh CA Secret and the role certificate Secrets it signs, which the "
+        "operator creates once under security.tls.mode mtls without cert-manager (without the "
+        "operator: `kubectl create` them once)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from dualpath.grpc_auth import new_token
 
-    from .builders import render, token_secret
+    from .builders import operator_ca_secrets, render, token_secret
     from .crd import cluster_crd, pool_crd
 
     try:
@@ -38,5 +46,7 @@ def run(args: argparse.Namespace) -> int:
     docs = ([cluster_crd(), pool_crd()] if args.crds else []) + render(cfg, owner)
     if getattr(args, "token_secret", False):  # callers may build the namespace themselves
         docs.insert(0, token_secret(cfg, owner, new_token()))
+    if getattr(args, "tls_secrets", False):
+        docs[:0] = operator_ca_secrets(cfg, owner)
     sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
     return 0

@@ -249,7 +249,9 @@ def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operat
                     ("networkpolicy", "scheduler"),
                     ("networkpolicy", "workers"),
                     ("networkpolicy", "frontend"),
-                    ("secret", "token"),  # created once (create-only)
+                    # mTLS without cert-manager: the operator's CA, created once (create-only)
+                    ("secret", "ca"),
+                    ("secret", "decode-tls"),
                 ]
             ),
         )
@@ -431,7 +433,7 @@ def test_6_delete_completes_with_the_operator_stopped(namespace, operator, show_
                     ("deployment", "scheduler"),
                     ("configmap", "config"),
                     ("dualpathpool", "decode"),
-                    ("secret", "token"),  # by its owner reference
+                    ("secret", "ca"),  # by its owner reference
                 ]
             ),
         )

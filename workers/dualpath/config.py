@@ -689,6 +689,10 @@ class SchedulerSpec(_Model):
     (half-open): a success closes it, a failure opens it for this long again."""
     port: int = Field(default=50051, ge=1, le=65535)
     """gRPC port of the scheduler (not the metrics port 9090)."""
+    route_lease_seconds: float = Field(default=10.0, gt=0, le=3600)
+    """A routed request that no worker claims (its Generate or Prefill never arrives: the
+    client or frontend went away between Route and the call) is released after this long:
+    counted, out of the in-flight count and of a draining worker's wait."""
 
     @model_validator(mode="after")
     def _timeouts(self) -> SchedulerSpec:
@@ -810,6 +814,34 @@ class WorkersSpec(_Model):
         return self
 
 
+class TlsMode(str, Enum):
+    MTLS = "mtls"
+    TOKEN = "token"
+    OFF = "off"
+
+
+class TlsSpec(_Model):
+    """How DualPath processes authenticate each other on gRPC."""
+
+    mode: TlsMode = TlsMode.MTLS
+    """mtls: every process has its own certificate (role and node id in its SAN URI) and every
+    channel is mutual TLS; the scheduler binds a node id to the certificate that registered it.
+    token: plaintext gRPC with the one shared cluster token. off: neither (trusted networks
+    and tests only)."""
+    cert_manager: bool | None = None
+    """Issue the certificates with cert-manager (an Issuer over the cluster's CA and, per worker
+    pod, its csi-driver); unset: when the operator finds cert-manager's CRDs. false: the
+    operator's own CA in a Secret, with one certificate per role (proves the role, not the
+    pod)."""
+
+
+class SecuritySpec(_Model):
+    """Trust between the cluster's pods."""
+
+    tls: TlsSpec = TlsSpec()
+    """Authentication of gRPC between processes."""
+
+
 class ClusterSpec(_Model):
     """`spec` of a DualPathCluster."""
 
@@ -829,6 +861,8 @@ class ClusterSpec(_Model):
     """OpenAI-compatible HTTP frontend."""
     workers: WorkersSpec = WorkersSpec()
     """Worker processes: model load budget, drain, deadlines, decode KV cache."""
+    security: SecuritySpec = SecuritySpec()
+    """Trust between pods: mutual TLS (default) or the shared token on gRPC."""
 
     @model_validator(mode="after")
     def _decode_for_prefill(self) -> ClusterSpec:

@@ -13,6 +13,12 @@ Open without the token: the standard health service (it says only SERVING or not
 the token: a node id is bound to a token holder, and among holders the scheduler's incarnation
 check keeps an alive node id from a second process.
 
+Mutual TLS (`spec.security.tls.mode: mtls`, the default; `dualpath.tls`) replaces the token:
+a process given `--tls-dir` (default `$DUALPATH_TLS_DIR`) serves and dials mutual TLS with its
+own certificate, and `dualpath.grpc_identity` checks what each caller's identity may do. The
+token remains where mTLS is off by choice (mode `token`). `Auth` is either; the helpers below
+(`channel`, `server_interceptors`, `add_port`) take it, so call sites do not tell them apart.
+
 Rotation without a restart: the file holds one token a line. Servers accept every line, clients
 present the first; the file is re-read when it changes (the kubelet swaps a mounted Secret in
 place), as the frontend's API keys are (both read by `keyfile.py`).
@@ -34,6 +40,7 @@ import grpc
 from prometheus_client import Counter
 
 from dualpath.keyfile import KeyFile, KeyFileError
+from dualpath.tls import TLS_ENV, TlsCredentials, TlsError
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +96,17 @@ def write_token_file(path: str | Path, token: str | None = None) -> Path:
     return path
 
 
+Auth = ClusterToken | TlsCredentials  # what a process authenticates its gRPC with
+
+
 def add_token_argument(parser: argparse.ArgumentParser) -> None:
+    """`--token-file` and `--tls-dir` (mutual TLS, which wins when both are given)."""
+    parser.add_argument(
+        "--tls-dir",
+        default=None,
+        help="this process's mutual TLS directory (ca.crt, tls.crt, tls.key: cert-manager's "
+        f"layout; re-read when it changes) (default: ${TLS_ENV}; unset: --token-file)",
+    )
     parser.add_argument(
         "--token-file",
         default=None,
@@ -112,6 +129,19 @@ def load(path: str | None, component: str) -> ClusterToken | None:
         raise SystemExit(f"dualpath {component}: {err}") from None
     log.info("%s: gRPC authenticated with the cluster token at %s", component, path)
     return token
+
+
+def load_auth(token_file: str | None, tls_dir: str | None, component: str) -> Auth | None:
+    """Mutual TLS from `--tls-dir` (or `$DUALPATH_TLS_DIR`), else the token (`load`)."""
+    tls_dir = tls_dir or os.environ.get(TLS_ENV) or None
+    if not tls_dir:
+        return load(token_file, component)
+    try:
+        creds = TlsCredentials(tls_dir)
+    except TlsError as err:
+        raise SystemExit(f"dualpath {component}: {err}") from None
+    log.info("%s: gRPC over mutual TLS as %s", component, creds.identity)
+    return creds
 
 
 # ---- server ------------------------------------------------------------------------------------
@@ -158,9 +188,23 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _refusal(handler, method)
 
 
-def server_interceptors(token: ClusterToken | None, component: str) -> list:
-    """What `grpc.aio.server(interceptors=...)` gets: the token check, or nothing."""
-    return [TokenInterceptor(token, component)] if token is not None else []
+def server_interceptors(auth: Auth | None, component: str, bind_nodes: bool = False) -> list:
+    """What `grpc.aio.server(interceptors=...)` gets: the token check, the identity check
+    (`bind_nodes`: the scheduler's, which binds node ids to identities at Register), or
+    nothing."""
+    if isinstance(auth, TlsCredentials):
+        from dualpath.grpc_identity import IdentityInterceptor, NodeBindings
+
+        bindings = NodeBindings() if bind_nodes else None
+        return [IdentityInterceptor(component, auth.identity.cluster, bindings)]
+    return [TokenInterceptor(auth, component)] if auth is not None else []
+
+
+def add_port(server: grpc.aio.Server, address: str, auth: Auth | None) -> int:
+    """Bind `address`: mutual TLS (client certificates required) or plaintext; the port."""
+    if isinstance(auth, TlsCredentials):
+        return server.add_secure_port(address, auth.server_credentials())
+    return server.add_insecure_port(address)
 
 
 # ---- client ------------------------------------------------------------------------------------
@@ -242,11 +286,20 @@ async def connected(ch: grpc.aio.Channel, wait_s: float = CONNECT_WAIT_S) -> boo
 
 
 def channel(
-    address: str, token: ClusterToken | None, options: Sequence[tuple[str, object]] = ()
+    address: str,
+    token: Auth | None,
+    options: Sequence[tuple[str, object]] = (),
+    server_role: str | None = None,
 ) -> grpc.aio.Channel:
-    """A channel to a DualPath gRPC service whose every call presents the cluster token.
+    """A channel to a DualPath gRPC service: mutual TLS with this process's certificate
+    (the server must hold one of the cluster, of `server_role` when given), or plaintext whose
+    every call presents the cluster token.
 
     Reconnects back off at most 1 s: gRPC's default climbs to 120 s, so a peer restarted after
     a crash (a scheduler, a worker) went unreached for tens of seconds after it was back."""
-    plain = grpc.aio.insecure_channel(address, options=[*RECONNECT_OPTIONS, *options])
+    opts = [*RECONNECT_OPTIONS, *options]
+    if isinstance(token, TlsCredentials):
+        opts += token.channel_options(server_role)
+        return grpc.aio.secure_channel(address, token.channel_credentials(), options=opts)
+    plain = grpc.aio.insecure_channel(address, options=opts)
     return plain if token is None else TokenChannel(plain, token)

@@ -71,6 +71,7 @@ class Placement:
     advertise: str = ""  # workers: the host peers reach it at (with the bound port)
     api_keys: str = ""  # frontend: file or directory of API keys ("": the API is open)
     token_file: str = ""  # every process: the cluster token file ("": gRPC unauthenticated)
+    tls_dir: str = ""  # every process: its mutual TLS directory (used instead of the token)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ def process_command(
             str(at.storage),
         ]
         env["DUALPATH_CONFIG_HASH"] = cfg.config_hash
-    if at.token_file:
+    if at.tls_dir:  # mutual TLS: the shared token is not handed out at all
+        args += ["--tls-dir", at.tls_dir]
+    elif at.token_file:
         args += ["--token-file", at.token_file]
     return ProcessCommand(ENTRY_POINT, tuple(args), env)

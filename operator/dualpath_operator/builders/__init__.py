@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
 
+from .certs import CERT_MANAGER, cert_manager_objects, operator_ca_secrets, use_cert_manager
 from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
 from .netpol import network_policies
 from .pods import token_secret_name
@@ -37,6 +38,8 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     (API_VERSION_FULL, POOL_KIND),
+    (CERT_MANAGER, "Issuer"),  # not served without cert-manager: nothing to prune then
+    (CERT_MANAGER, "Certificate"),
 )
 
 
@@ -100,6 +103,8 @@ def render(
     StatefulSet's count (the pools' counts); without it, the cluster spec's initial ones."""
     out: list[dict[str, Any]] = [config_map(cfg, owner), qos_config_map(cfg, owner)]
     out += network_policies(cfg, owner)  # before the pods: none runs unprotected
+    if use_cert_manager(cfg):  # before the pods: their certificates are issued first
+        out += cert_manager_objects(cfg, owner)
     out += scheduler_objects(cfg, owner)
     for role in (Role.PREFILL, Role.DECODE):
         out += [
@@ -122,6 +127,7 @@ __all__ = [
     "config_map",
     "labels",
     "opensm_qos_policy",
+    "operator_ca_secrets",
     "owner_reference",
     "pool",
     "pool_for_apply",

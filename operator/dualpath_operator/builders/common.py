@@ -19,6 +19,7 @@ KV_MOUNT = "/var/lib/dualpath/kv"
 API_KEYS_MOUNT = "/etc/dualpath-api-keys"
 # The cluster token Secret (`<cluster>-token`, key `token`), mounted into every DualPath pod.
 TOKEN_MOUNT = "/etc/dualpath-token"
+TLS_MOUNT = "/etc/dualpath-tls"  # the process's ca.crt, tls.crt, tls.key (dualpath.tls)
 
 
 def child_name(cfg: ClusterConfig, suffix: str) -> str:

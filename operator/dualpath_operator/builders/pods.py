@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dualpath.config import ClusterConfig, PoolSpec, Role
+from dualpath.config import ClusterConfig, PoolSpec, Role, TlsMode
 from dualpath.grpc_auth import TOKEN_KEY
 from dualpath.process import (
     Component,
@@ -22,12 +22,14 @@ from dualpath.process import (
     uses_storage,
 )
 
+from .certs import tls_mount, tls_volume
 from .common import (
     API_KEYS_MOUNT,
     CONFIG_FILE,
     CONFIG_HASH_KEY,
     CONFIG_MOUNT,
     METRICS_PORT,
+    TLS_MOUNT,
     TOKEN_MOUNT,
     WORKER_GRPC_PORT,
     child_name,
@@ -154,7 +156,8 @@ def pod_placement(cfg: ClusterConfig, component: Component | str) -> Placement:
         api_keys=API_KEYS_MOUNT
         if comp is Component.FRONTEND and cfg.spec.frontend.auth.secret_name
         else "",
-        token_file=f"{TOKEN_MOUNT}/{TOKEN_KEY}",
+        token_file=f"{TOKEN_MOUNT}/{TOKEN_KEY}" if _mode(cfg) is TlsMode.TOKEN else "",
+        tls_dir=TLS_MOUNT if _mode(cfg) is TlsMode.MTLS else "",
     )
 
 
@@ -194,6 +197,25 @@ def token_secret_name(cfg: ClusterConfig) -> str:
 def _token_mount() -> dict[str, Any]:
     # a directory mount (not subPath): the kubelet swaps the files in place on rotation
     return {"name": "cluster-token", "mountPath": TOKEN_MOUNT, "readOnly": True}
+
+
+def _mode(cfg: ClusterConfig) -> TlsMode:
+    return cfg.spec.security.tls.mode
+
+
+def _auth_mounts(cfg: ClusterConfig) -> list[dict[str, Any]]:
+    """The process's gRPC credentials: its TLS directory (mtls), the token (token), none."""
+    mode = _mode(cfg)
+    return (
+        [tls_mount()] if mode is TlsMode.MTLS else [_token_mount()] if mode is TlsMode.TOKEN else []
+    )
+
+
+def _auth_volumes(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    mode = _mode(cfg)
+    if mode is TlsMode.MTLS:
+        return [tls_volume(cfg, component)]
+    return [_token_volume(cfg)] if mode is TlsMode.TOKEN else []
 
 
 def _token_volume(cfg: ClusterConfig) -> dict[str, Any]:
@@ -289,7 +311,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             _tmp_mount(),
-            _token_mount(),
+            *_auth_mounts(cfg),
             *_storage_mounts(cfg, comp),
             *_model_mounts(cfg, comp),
             *engine_mounts,
@@ -307,7 +329,7 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             _config_volume(cfg),
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
             _tmp_volume(),
-            _token_volume(cfg),
+            *_auth_volumes(cfg, comp),
             *([_storage_volume(cfg)] if _storage_mounts(cfg, comp) else []),
             *_model_volumes(cfg, comp),
             *engine_volumes,
@@ -357,7 +379,7 @@ def control_pod_template(
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             _tmp_mount(),
-            _token_mount(),
+            *_auth_mounts(cfg),
             *_api_keys_mounts(cfg, component),
             *_storage_mounts(cfg, component),
             *_model_mounts(cfg, component),
@@ -376,7 +398,7 @@ def control_pod_template(
             "volumes": [
                 _config_volume(cfg),
                 _tmp_volume(),
-                _token_volume(cfg),
+                *_auth_volumes(cfg, component),
                 *_api_keys_volumes(cfg, component),
                 *([_storage_volume(cfg)] if _storage_mounts(cfg, component) else []),
                 *_model_volumes(cfg, component),

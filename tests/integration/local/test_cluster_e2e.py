@@ -92,24 +92,39 @@ def test_cluster_serves_hits_store_rejects_and_answers_match(tmp_path: Path) -> 
                         c.post("/v1/completions", json=body).json()["choices"][0]["text"] == plain
                     )
                     assert c.get("/health").status_code == 200
-                    _assert_grpc_needs_the_token(cl)
+                    _assert_grpc_needs_a_cluster_certificate(cl)
     assert answers["prefill-read"] == answers["decode-read"] == answers["dualpath"]
 
 
-def _assert_grpc_needs_the_token(cl: LocalCluster) -> None:
-    """`dualpath up` runs authenticated: its run directory's token is every process's, and a
-    caller without it gets nothing from the scheduler."""
+def _assert_grpc_needs_a_cluster_certificate(cl: LocalCluster) -> None:
+    """`dualpath up` runs mutual TLS (the default mode): each process has its own directory
+    of the run's CA, a plaintext caller gets nothing from the scheduler, the tools' `admin`
+    certificate reads the cluster view."""
+    import asyncio
+
     import grpc
+    from dualpath.scheduler.client import SchedulerClient
     from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    assert cl.token_file.stat().st_mode & 0o777 == 0o600
-    assert all(["--token-file", str(cl.token_file)] == s.argv[-2:] for s in cl.specs)
+    assert cl.token_file is None
+    for s in cl.specs:
+        assert s.argv[-2:] == ["--tls-dir", str(cl.run_dir / "tls" / s.name)]
     with grpc.insecure_channel(cl.endpoints.scheduler) as ch:
         with pytest.raises(grpc.RpcError) as err:
             scheduler_pb2_grpc.SchedulerStub(ch).Route(
                 scheduler_pb2.RouteRequest(prompt_tokens=10), timeout=5
             )
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # no handshake without one
+
+    async def view():
+        client = SchedulerClient(cl.endpoints.scheduler, token=cl.client_auth())
+        try:
+            return await client.cluster_view()
+        finally:
+            await client.close()
+
+    nodes = {n.node_id for n in asyncio.run(view()).nodes}
+    assert nodes == {s.name for s in cl.specs if s.name.startswith(("prefill", "decode"))}
 
 
 def test_tenants_of_a_keyed_cluster_never_hit_each_others_cache(

@@ -94,6 +94,8 @@ def test_rbac_allows_pruning_every_child_kind(tools):
         "PodDisruptionBudget": "poddisruptionbudgets",
         "NetworkPolicy": "networkpolicies",
         "DualPathPool": "dualpathpools",
+        "Issuer": "issuers",
+        "Certificate": "certificates",
     }
     for api_version, kind in CHILD_KINDS:
         group = api_version.rpartition("/")[0]

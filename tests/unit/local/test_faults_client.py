@@ -125,3 +125,54 @@ def test_the_default_run_directory_gives_a_config_the_workers_accept(tmp_path, m
     res = fault_config(Path("out/faults/kv"))
     cfg = config.from_resource(res)
     assert cfg.spec.storage.path == str(tmp_path / "out/faults/kv")
+
+
+def _streamed(ids, text="abc"):
+    final = {
+        "choices": [{"text": text, "finish_reason": "length"}],
+        "dualpath": {
+            "token_ids": ids,
+            "read_path": "decode",
+            "prefill_node": "prefill-0",
+            "decode_node": "decode-1",
+        },
+    }
+    usage = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 48}}}
+    return _sse(json.dumps(final), json.dumps(usage), "[DONE]")
+
+
+async def test_a_wrong_streamed_answer_keeps_its_whole_story(tmp_path) -> None:
+    """A streamed turn is judged on its token ids too (the same text from other ids is
+    wrong), asks for the usage chunk, and a wrong one records its cached tokens, read path,
+    nodes and both answers' token ids; a failed run keeps that evidence with the cluster log."""
+    from dualpath.local.faults import keep_evidence
+
+    asked = []
+
+    def handler(request):
+        asked.append(json.loads(request.content))
+        return _streamed([5, 6, 9])
+
+    c = _client(handler)
+    res = await c.turn(1, stream=True)
+    await c.close()
+    assert asked[0]["stream_options"] == {"include_usage": True}
+    assert res.kind == "ok" and res.wrong and res.cached == 48
+    assert res.error.startswith("prompt 1: token 2 differs (got [9], reference [7]); 48 cached")
+    assert "path decode, prefill prefill-0, decode decode-1" in res.error
+    ev = res.evidence
+    assert ev["token_ids"] == [5, 6, 9] and ev["reference_token_ids"] == [5, 6, 7]
+    assert (ev["first_differing_token"], ev["cached_tokens"], ev["read_path"]) == (2, 48, "decode")
+    c = _client(lambda request: _streamed([5, 6, 7]))
+    assert not (await c.turn(1, stream=True)).wrong  # the same ids and text: right
+    await c.close()
+
+    row = Row("decode-kill")
+    row.add([Result("ok"), res, Result("lost", error="cut")])
+    row.judge()
+    assert [e["kind"] for e in row.evidence] == ["wrong", "lost"]
+    (tmp_path / "cluster.log").write_text("decode-1: KV read ...\n")
+    dest = keep_evidence(tmp_path, [row, Row("overload")])
+    assert (dest / "cluster.log").read_text() == "decode-1: KV read ...\n"
+    (kept,) = json.loads((dest / "evidence.json").read_text())
+    assert kept["fault"] == "decode-kill" and kept["evidence"][0]["token_ids"] == [5, 6, 9]

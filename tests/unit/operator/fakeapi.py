@@ -174,6 +174,13 @@ class FakeApi:
             return copy.deepcopy(self.rng.choice(old[-4:]))
         return copy.deepcopy(self.objects.get(key))
 
+    served_kinds: frozenset[tuple[str, str]] = frozenset()  # extra kinds served (cert-manager's)
+
+    def served(self, api_version, kind):
+        return not api_version.startswith("cert-manager.io") or (
+            (api_version, kind) in self.served_kinds
+        )
+
     def list(self, api_version, kind, ns, labels):
         self._call(f"list {kind}")
         return [

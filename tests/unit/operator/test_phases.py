@@ -8,7 +8,7 @@ from dualpath_operator.phases import Pass, PhaseError, run_phases
 from dualpath_operator.reconcile import Backoff, Reconciler, object_log, reconcile
 from dualpath_operator.status import PHASE_CONDITIONS, ConditionType, compute_status
 from fakeapi import FakeApi, api_error
-from test_reconcile import DPC, DPP, ROOT, cond, cr
+from test_reconcile import DPC, DPP, ROOT, cond, cr, token_mode
 
 FORBIDDEN = api_error(403, "Forbidden", "secrets is forbidden")
 UNAVAILABLE = api_error(503, "ServiceUnavailable", "etcd down")
@@ -87,6 +87,7 @@ def test_replicas_refuse_an_unsafe_ask_keeping_what_the_statefulsets_have(api):
 
 
 def test_token_is_created_once(api):
+    token_mode(api)
     p = new_pass(api, upto="token")
     phases.ensure_token(p)
     token = api.obj("v1", "Secret", "agents-token")["stringData"]["token"]
@@ -96,6 +97,7 @@ def test_token_is_created_once(api):
 
 
 def test_token_refused_is_reported_on_token_ready(api):
+    token_mode(api)
     api.refuse[("Secret", "agents-token")] = FORBIDDEN
     p = new_pass(api, upto="token")
     phases.ensure_token(p)
@@ -105,10 +107,25 @@ def test_token_refused_is_reported_on_token_ready(api):
 
 
 def test_token_retryable_error_is_raised_naming_token_ready(api):
+    token_mode(api)
     api.refuse[("Secret", "agents-token")] = UNAVAILABLE
     with pytest.raises(PhaseError) as err:
         phases.ensure_token(new_pass(api, upto="token"))
     assert err.value.condition == ConditionType.TOKEN_READY and err.value.failure.retryable
+
+
+def test_under_mtls_the_phase_makes_the_ca_unless_cert_manager_is_served(api):
+    p = new_pass(api, upto="token")
+    assert p.cfg.spec.security.tls.cert_manager is False  # resolved by parse: not served
+    phases.ensure_token(p)
+    assert api.obj("v1", "Secret", "agents-ca") and api.obj("v1", "Secret", "agents-frontend-tls")
+    assert ("v1", "Secret", "default", "agents-token") not in api.objects
+    api.served_kinds = frozenset({("cert-manager.io/v1", "Certificate")})
+    del api.objects[("v1", "Secret", "default", "agents-ca")]
+    p = new_pass(api, upto="token")
+    assert p.cfg.spec.security.tls.cert_manager is True
+    phases.ensure_token(p)
+    assert ("v1", "Secret", "default", "agents-ca") not in api.objects  # cert-manager's job
 
 
 # -- apply -----------------------------------------------------------------------------------

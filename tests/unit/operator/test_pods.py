@@ -17,6 +17,7 @@ from dualpath_operator.builders import render
 from dualpath_operator.builders.common import (
     CONFIG_FILE,
     METRICS_PORT,
+    TLS_MOUNT,
     TOKEN_MOUNT,
     WORKER_GRPC_PORT,
 )
@@ -156,8 +157,9 @@ def test_pods_run_what_dualpath_up_runs_modulo_the_placement(example, tmp_path):
             want["advertise"] = ("127.0.0.1", f"$(POD_NAME).agents-{comp.value}")
             want["storage"] = (str(tmp_path / "kv"), example.spec.storage.path)
         want["port"] = (local["port"], pod_port[comp])
-        # every process holds the cluster token: the run directory's file, the Secret's
-        want["token_file"] = (str(cluster.token_file), f"{TOKEN_MOUNT}/token")
+        # every process has its own TLS directory: the run directory's, the mounted one's
+        want["tls_dir"] = (str(cluster.run_dir / "tls" / spec.name), TLS_MOUNT)
+        assert local["token_file"] is None and pod["token_file"] is None  # mTLS: no token
         for key, (local_value, pod_value) in want.items():
             assert local[key] == local_value, (comp, key)
             local[key] = pod_value
@@ -171,11 +173,19 @@ def test_pods_run_what_dualpath_up_runs_modulo_the_placement(example, tmp_path):
     assert cluster.cfg.spec.storage.path == example.spec.storage.path
 
 
+def _mode(cfg: config.ClusterConfig, mode: str) -> config.ClusterConfig:
+    res = cfg.to_resource()
+    res["spec"]["security"] = {"tls": {"mode": mode}}
+    return config.from_resource(res)
+
+
 def test_every_pod_mounts_the_cluster_token_and_passes_it_to_its_process(example):
-    """Scheduler, workers and frontend read the token from the `<cluster>-token` Secret, mounted
-    as a directory (so a rotation reaches the running process), and parse `--token-file`."""
+    """Under mode token: scheduler, workers and frontend read the token from the
+    `<cluster>-token` Secret, mounted as a directory (so a rotation reaches the running
+    process), and parse `--token-file`."""
     from dualpath_operator.builders.pods import token_secret_name
 
+    example = _mode(example, "token")
     rendered = pods(example)
     for comp, tpl in rendered.items():
         (c,) = tpl["spec"]["containers"]
@@ -186,7 +196,56 @@ def test_every_pod_mounts_the_cluster_token_and_passes_it_to_its_process(example
         assert vol["secret"]["secretName"] == token_secret_name(example) == "agents-token"
 
 
+def test_every_pod_mounts_its_tls_directory_and_no_token_under_mtls(example):
+    """Without cert-manager each pod mounts its role's Secret: exactly the Secrets the operator
+    (or `dualpath render --tls-secrets`) creates, the CA's key in none of the mounted ones."""
+    from dualpath_operator.builders import operator_ca_secrets
+
+    rendered = pods(example)
+    ca, *leaves = operator_ca_secrets(example, OWNER)
+    mounted = {
+        v["secret"]["secretName"]
+        for tpl in rendered.values()
+        for v in tpl["spec"]["volumes"]
+        if v["name"] == "tls"
+    }
+    assert mounted == {s["metadata"]["name"] for s in leaves}
+    assert ca["metadata"]["name"] not in mounted
+    assert all("ca.key" not in s["stringData"] for s in leaves)
+    for comp, tpl in rendered.items():
+        (c,) = tpl["spec"]["containers"]
+        ns = _parse(c["args"])
+        assert ns.tls_dir == TLS_MOUNT and ns.token_file is None, comp
+        assert {"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True} in c["volumeMounts"]
+        assert not any(v["name"] == "cluster-token" for v in tpl["spec"]["volumes"])
+    off = pods(_mode(example, "off"))
+    for comp, tpl in off.items():
+        ns = _parse(tpl["spec"]["containers"][0]["args"])
+        assert ns.tls_dir is None and ns.token_file is None, comp
+
+
+def test_the_local_cluster_gives_each_process_its_own_certificate(example, tmp_path):
+    """`dualpath up` under mtls: a directory per process, named by its node id, its key
+    private; the CA's key is in no process's directory; a new CA per start."""
+    from dualpath.tls import Identity, TlsCredentials
+
+    first = LocalCluster(example, tmp_path / "run", storage_dir=tmp_path / "kv", grace_s=1)
+    assert first.token_file is None
+    tls = tmp_path / "run" / "tls"
+    for spec in first.specs:
+        ns = _parse(_strip_local(spec.argv)[0])
+        creds = TlsCredentials(ns.tls_dir)
+        assert creds.identity == Identity(example.name, _component(ns).value, spec.name)
+        assert (Path(ns.tls_dir) / "tls.key").stat().st_mode & 0o777 == 0o600
+    assert TlsCredentials(tls / "admin").identity.role == "admin"
+    ca_key = (tls / "ca" / "tls.key").read_bytes()
+    assert all(p.read_bytes() != ca_key for p in tls.glob("*/tls.key") if p.parent.name != "ca")
+    again = LocalCluster(example, tmp_path / "run", storage_dir=tmp_path / "kv", grace_s=1)
+    assert again.ca is not None and (tls / "ca" / "tls.key").read_bytes() != ca_key
+
+
 def test_the_local_token_file_is_private_and_new_per_start(example, tmp_path):
+    example = _mode(example, "token")
     first = LocalCluster(example, tmp_path / "run", storage_dir=tmp_path / "kv", grace_s=1)
     assert first.token_file == tmp_path / "run" / "token"
     assert first.token_file.stat().st_mode & 0o777 == 0o600

@@ -80,10 +80,17 @@ def test_first_pass_creates_children_and_reports_progressing(api):
     assert "annotations" not in cr(api)["metadata"]
 
 
+def token_mode(api, mode="token"):
+    body = cr(api)
+    body["spec"].setdefault("security", {})["tls"] = {"mode": mode}
+    api.objects[(*DPC, "default", "agents")] = body
+
+
 def test_the_token_secret_is_created_once_and_never_rewritten(api):
-    """Created on the first pass with a random token, the cluster label and the owner reference
+    """Under security.tls.mode token: created on the first pass with a random token, the cluster label and the owner reference
     (garbage collection deletes it with the cluster); later passes, and a restarted operator,
     leave it as it is (an apply would rotate it every pass); a deleted one comes back."""
+    token_mode(api)
     reconcile(api, "default", "agents")
     secret = api.obj("v1", "Secret", "agents-token")
     token = secret["stringData"]["token"].strip()
@@ -104,11 +111,62 @@ def test_the_token_secret_is_created_once_and_never_rewritten(api):
 
 
 def test_a_refused_token_secret_is_reported_and_the_rest_applied(api):
+    token_mode(api)
     api.refuse[("Secret", "agents-token")] = api_error(403, "Forbidden", "secrets is forbidden")
     result = reconcile(api, "default", "agents")
     assert result.result == "apply_failed"
     assert any("agents-token" in f.message or "secrets" in f.message for f in result.failures)
     assert api.obj("apps/v1", "StatefulSet", "agents-decode")  # the rest still applied
+
+
+def test_mtls_without_cert_manager_creates_the_ca_and_role_secrets_once(api):
+    """The default mode, mtls, on an API server without cert-manager: the operator's CA Secret
+    and one certificate Secret per component (the CA's key in none of them), created once;
+    no token Secret at all; the pods mount their role's Secret."""
+    from dualpath.tls import Identity, identity_of_pem
+
+    reconcile(api, "default", "agents")
+    ca = api.obj("v1", "Secret", "agents-ca")
+    assert "ca.key" in ca["stringData"]
+    for comp, node in (
+        ("scheduler", "scheduler"),
+        ("frontend", "frontend"),
+        ("prefill", "*"),
+        ("decode", "*"),
+    ):
+        s = api.obj("v1", "Secret", f"agents-{comp}-tls")["stringData"]
+        assert set(s) == {"ca.crt", "tls.crt", "tls.key"}
+        assert s["ca.crt"] == ca["stringData"]["ca.crt"]
+        assert identity_of_pem(s["tls.crt"].encode()) == Identity("agents", comp, node)
+    assert ("v1", "Secret", "default", "agents-token") not in api.objects
+    before = api.obj("v1", "Secret", "agents-decode-tls")["metadata"]["resourceVersion"]
+    reconcile(api, "default", "agents")
+    assert api.obj("v1", "Secret", "agents-decode-tls")["metadata"]["resourceVersion"] == before
+    assert not any(c.startswith(("apply Issuer", "apply Certificate")) for c in api.calls)
+    sts = api.obj("apps/v1", "StatefulSet", "agents-decode")
+    (vol,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert vol == {"name": "tls", "secret": {"secretName": "agents-decode-tls"}}
+
+
+def test_mtls_with_cert_manager_issues_per_pod_certificates(api):
+    """cert-manager's Certificate kind served: an Issuer chain and the control plane's
+    Certificates are applied, each worker pod gets its own certificate from the csi-driver
+    (its pod name in the SAN URI), and the operator creates no CA Secret itself."""
+    api.served_kinds = frozenset({("cert-manager.io/v1", "Certificate")})
+    reconcile(api, "default", "agents")
+    assert api.obj("cert-manager.io/v1", "Issuer", "agents-ca")["spec"]["ca"] == {
+        "secretName": "agents-ca"
+    }
+    assert api.obj("cert-manager.io/v1", "Certificate", "agents-ca")["spec"]["isCA"] is True
+    sched = api.obj("cert-manager.io/v1", "Certificate", "agents-scheduler-tls")["spec"]
+    assert sched["uris"] == ["spiffe://dualpath/agents/scheduler/scheduler"]
+    assert ("v1", "Secret", "default", "agents-ca") not in api.objects
+    sts = api.obj("apps/v1", "StatefulSet", "agents-prefill")
+    (vol,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    attrs = vol["csi"]["volumeAttributes"]
+    assert vol["csi"]["driver"] == "csi.cert-manager.io"
+    assert attrs["csi.cert-manager.io/uri-sans"] == "spiffe://dualpath/agents/prefill/${POD_NAME}"
+    assert attrs["csi.cert-manager.io/issuer-name"] == "agents-ca"
 
 
 def test_a_settled_pass_and_a_restarted_operator_change_nothing(api):

@@ -61,12 +61,15 @@ def test_vllm_workers_run_dualpath_worker_in_the_vllm_image(cfg, role):
     assert c["command"] == ["dualpath"]
     ns = _parsed(c)
     # what the worker hands its vLLM child's connector: the config file (engine: vllm is in
-    # it), its node id, the store, the scheduler and the cluster token
+    # it), its node id, the store, the scheduler and its credentials
     assert ns.role == role and ns.node_id == "pod-0"
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert ns.storage == mounts["kv-store"] == cfg.spec.storage.path
     assert ns.file.startswith(mounts["config"] + "/")
-    assert ns.token_file.startswith(mounts["cluster-token"] + "/")
+    if cfg.spec.security.tls.mode == "mtls":  # its own certificate, no shared token
+        assert ns.tls_dir == mounts["tls"] and ns.token_file is None
+    else:
+        assert ns.token_file.startswith(mounts["cluster-token"] + "/")
     port = _workload(objs, "Service", "agents-vllm-scheduler")["spec"]["ports"][0]["port"]
     assert ns.scheduler == f"agents-vllm-scheduler:{port}"
     cm = _workload(objs, "ConfigMap", "agents-vllm-config")

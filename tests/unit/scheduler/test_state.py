@@ -93,3 +93,31 @@ def test_breaker_defaults_are_the_spec_defaults():
     )
     st = SchedulerState(get_policy("dualpath"), Thresholds(), node_timeout_s=2.0)
     assert st.forget_after_s == 10.0
+
+
+def test_a_route_no_node_claims_is_released_after_its_lease():
+    """Three routes: one claimed by its decode node, one by a node not of its pair (ignored),
+    one by nobody. After the lease the two unclaimed are released (cancels: no breaker counts
+    them), their nodes' routed counts drop; the claimed one stays until its Complete."""
+    clock = FakeClock()
+    st = SchedulerState(
+        get_policy("round-robin"), Thresholds(), node_timeout_s=60.0, clock=clock, route_lease_s=5.0
+    )
+    st.register(NodeState("p0", "prefill"), "a:1")
+    st.register(NodeState("d0", "decode"), "b:1")
+    claimed, stray, idle = (st.route(req()) for _ in range(3))
+    assert st.claim("d0", [claimed.request_id, "unknown"]) == 1
+    assert st.claim("d9", [stray.request_id]) == 0  # not of its pair
+    clock.t = 4.9
+    assert st.release_unclaimed() == []
+    assert st.routed_in_flight("d0") == 3
+    clock.t = 5.1
+    assert st.release_unclaimed() == [stray.request_id, idle.request_id]
+    assert set(st.in_flight) == {claimed.request_id}
+    assert st.routed_in_flight("d0") == st.routed_in_flight("p0") == 1
+    assert st.released_total == 2 and not st.breakers.get("d0")
+    assert st.complete(idle.request_id) is None  # its late Complete: an unknown id, fine
+    clock.t = 100.0
+    assert st.release_unclaimed() == []  # claimed: held until its Complete
+    assert st.complete(claimed.request_id) is not None
+    assert st.routed_in_flight("d0") == 0

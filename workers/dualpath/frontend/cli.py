@@ -51,9 +51,10 @@ def run(args: argparse.Namespace) -> int:
         from dualpath.frontend.grpc_backend import GrpcBackend
 
         sched = args.scheduler or f"127.0.0.1:{cfg.spec.scheduler.port}"
-        from dualpath.grpc_auth import load as load_token
+        from dualpath.grpc_auth import load_auth
 
-        backend = GrpcBackend(cfg, sched, token=load_token(args.token_file, "frontend"))
+        auth = load_auth(args.token_file, args.tls_dir, "frontend")
+        backend = GrpcBackend(cfg, sched, token=auth)
     port = args.port if args.port is not None else cfg.spec.frontend.port
     keys_path = args.api_keys or default_keys_path()
     try:

@@ -18,7 +18,7 @@ from prometheus_client import Counter
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
-from dualpath.grpc_auth import ClusterToken, connected
+from dualpath.grpc_auth import Auth, connected
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
@@ -62,7 +62,7 @@ class GrpcBackend:
         config: ClusterConfig,
         scheduler_address: str,
         timeout_s: float = 900.0,  # a whole turn: queueing behind other prefills included
-        token: ClusterToken | None = None,  # presented on every scheduler and worker call
+        token: Auth | None = None,  # presented on every scheduler and worker call
     ) -> None:
         self.token = token
         self.config = config
@@ -120,7 +120,7 @@ class GrpcBackend:
 
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = token_channel(address, self.token)
+            ch = self._channels[address] = token_channel(address, self.token, server_role="decode")
         await connected(ch)
         return worker_pb2_grpc.WorkerStub(ch)
 

@@ -12,9 +12,11 @@ is `run_dir/cluster.yaml` instead of the ConfigMap mount, the scheduler is 127.0
 port instead of its Service, every port is free instead of fixed, the storage volume is a local
 directory (given to the workers only, as only their pods mount it), node ids are `<role>-<i>`
 instead of the pod names; and locally the entry point is `python -m dualpath.cli` with
-`--log-level`, workers get OMP_NUM_THREADS=1. The cluster token is a fresh file in the run
-directory (`run_dir/token`, mode 0600) instead of the operator's Secret; every process gets it,
-so the local cluster's gRPC is authenticated as a deployed one is.
+`--log-level`, workers get OMP_NUM_THREADS=1. gRPC is authenticated as a deployed cluster's is
+(`spec.security.tls.mode`): under mtls (the default) a fresh CA in `run_dir/tls/ca/` issues
+each process its own directory (`run_dir/tls/<name>/`: the node id for workers) and one for the
+operator's tools (`run_dir/tls/admin/`, `client_auth`); under token, a fresh token file
+(`run_dir/token`, mode 0600) instead of the operator's Secret.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from typing import IO
 
 import yaml
 
-from dualpath.config import ClusterConfig, from_resource
+from dualpath.config import ClusterConfig, TlsMode, from_resource
 from dualpath.frontend.tokenizer import save_hf_tokenizer
-from dualpath.grpc_auth import write_token_file
+from dualpath.grpc_auth import Auth, ClusterToken, write_token_file
 from dualpath.local.supervisor import ProcSpec, Supervisor, free_port
 from dualpath.process import (
     Component,
@@ -40,6 +42,7 @@ from dualpath.process import (
     termination_grace_seconds,
     uses_storage,
 )
+from dualpath.tls import LocalCA, TlsCredentials
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +84,14 @@ def local_placement(
     storage: Path,
     index: int = 0,
     token_file: Path | None = None,
+    ca: LocalCA | None = None,
 ) -> Placement:
     """A process's placement on this machine: loopback, free ports, the local storage dir for
-    the processes that use storage."""
+    the processes that use storage; with `ca`, its own TLS directory issued by it."""
     worker = component.role is not None
+    node_id = f"{component.value}-{index}" if worker else ""
+    name = node_id or component.value
+    tls_dir = ca.issue_dir(name, component.value, name) if ca is not None else ""
     return Placement(
         config_file=str(cfg_path),
         scheduler=scheduler,
@@ -92,9 +99,10 @@ def local_placement(
         port=int(scheduler.rsplit(":", 1)[1]) if component is Component.SCHEDULER else free_port(),
         metrics_port=0 if component is Component.FRONTEND else free_port(),
         storage=str(storage) if uses_storage(component) else None,
-        node_id=f"{component.value}-{index}" if worker else "",
+        node_id=node_id,
         advertise=LOCAL_HOST if worker else "",
         token_file=str(token_file or ""),
+        tls_dir=str(tls_dir),
     )
 
 
@@ -104,12 +112,13 @@ def process_specs(
     storage: Path,
     log_level: str = "INFO",
     token_file: Path | None = None,
+    ca: LocalCA | None = None,
 ) -> tuple[list[ProcSpec], Endpoints]:
     ep = Endpoints()
     ep.scheduler = f"{LOCAL_HOST}:{free_port()}"
 
     def spec(component: Component, index: int = 0, **kw: object) -> tuple[ProcSpec, Placement]:
-        at = local_placement(cfg_path, component, ep.scheduler, storage, index, token_file)
+        at = local_placement(cfg_path, component, ep.scheduler, storage, index, token_file, ca)
         cmd = process_command(cfg, component, at)
         name = at.node_id or component.value
         extra = LOCAL_WORKER_ENV if component.role else {}
@@ -130,6 +139,15 @@ def process_specs(
     frontend.health_url = f"{ep.frontend}/health"
     specs.append(frontend)
     return specs, ep
+
+
+def run_dir_auth(run_dir: str | Path) -> Auth | None:
+    """What an operator's tool (the fault suite, a scheduler client) authenticates with to the
+    cluster of `run_dir`: its `admin` certificate, the token, or nothing (mode off)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "tls" / "admin").is_dir():
+        return TlsCredentials(run_dir / "tls" / "admin")
+    return ClusterToken(run_dir / "token") if (run_dir / "token").exists() else None
 
 
 class LocalCluster:
@@ -169,15 +187,26 @@ class LocalCluster:
         self.storage = storage
         self.cfg_path = self.run_dir / "cluster.yaml"
         self.cfg_path.write_text(yaml.safe_dump(self.cfg.to_resource(), sort_keys=False))
-        # a new token per start: a process of an earlier run cannot join this one
-        self.token_file = write_token_file(self.run_dir / "token")
+        # new credentials per start: a process of an earlier run cannot join this one
+        mode = self.cfg.spec.security.tls.mode
+        self.token_file = (
+            write_token_file(self.run_dir / "token") if mode is TlsMode.TOKEN else None
+        )
+        self.ca: LocalCA | None = None
+        if mode is TlsMode.MTLS:
+            shutil.rmtree(self.run_dir / "tls", ignore_errors=True)
+            self.ca = LocalCA(self.run_dir / "tls", self.cfg.name)
+            self.ca.issue_dir("admin", "admin", "admin")
         # what a client's `--tokenizer <dir>` loads (the checkpoint's own when it has one)
         self.tokenizer_dir = save_hf_tokenizer(self.cfg.spec.model, self.run_dir / "tokenizer")
         self.specs, self.endpoints = process_specs(
-            self.cfg_path, self.cfg, storage, log_level, self.token_file
+            self.cfg_path, self.cfg, storage, log_level, self.token_file, self.ca
         )
         grace = termination_grace_seconds(self.cfg) if grace_s is None else grace_s
         self.supervisor = Supervisor(grace_s=grace, sink=sink)
+
+    def client_auth(self) -> Auth | None:
+        return run_dir_auth(self.run_dir)
 
     def start(self) -> LocalCluster:
         log.info(

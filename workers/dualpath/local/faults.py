@@ -17,7 +17,7 @@ injects one fault per row into the real processes and files while clients send r
 | disconnects | 100 streams cut by their client after the first chunk, then normal turns |
 | overload | a burst of concurrent turns far above what the nodes hold at once |
 | http-fuzz | 320 seeded malformed bodies (`dualpath.local.fuzz.http_cases`) |
-| grpc-fuzz | seeded malformed Scheduler and Worker calls with the cluster token (`grpc_cases`): every RPC, Prefill's agent metadata and regions included |
+| grpc-fuzz | seeded malformed Scheduler and Worker calls with the cluster's credentials (`grpc_cases`): every RPC, Prefill's agent metadata and regions included; under mTLS the methods workers call go with a role-wide decode certificate, so malformed input reaches validation rather than the identity check |
 | sigint | SIGINT to `dualpath up` while streams run: they must finish, no process left |
 
 Per row: requests sent, succeeded, failed cleanly (an HTTP error with a JSON body, or a
@@ -246,6 +246,54 @@ class Result:
     cached: int = 0
     decode_node: str = ""
     error: str = ""
+    # a wrong answer's whole story (`wrong_answer`): what one occurrence is diagnosed from
+    evidence: dict[str, Any] | None = None
+
+
+def wrong_answer(
+    i: int,
+    ids: list[int] | None,
+    ref: tuple[list[int], str],
+    cached: int,
+    dualpath: dict[str, Any],
+    text: str | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """A wrong answer to prompt `i` against its reference (token ids, text): the one-line
+    error (the first differing token, the turn's cached tokens, read path and nodes) and the
+    evidence kept with the row (both answers' token ids and texts too)."""
+    ref_ids, ref_text = ref
+    at = None
+    if ids is not None:
+        at = next((k for k, (a, b) in enumerate(zip(ids, ref_ids, strict=False)) if a != b), None)
+        if at is None and len(ids) != len(ref_ids):
+            at = min(len(ids), len(ref_ids))
+    where = (
+        f"{cached} cached tokens read via path {dualpath.get('read_path')}, prefill "
+        f"{dualpath.get('prefill_node')}, decode {dualpath.get('decode_node')}"
+    )
+    if at is not None:
+        assert ids is not None
+        error = (
+            f"prompt {i}: token {at} differs (got {ids[at : at + 3]}, reference "
+            f"{ref_ids[at : at + 3]}); {where}"
+        )
+    else:
+        error = f"prompt {i}: text {text!r}, reference {ref_text!r} (same token ids); {where}"
+    evidence = {
+        "prompt": i,
+        "first_differing_token": at,
+        "cached_tokens": cached,
+        "read_path": dualpath.get("read_path"),
+        "prefill_node": dualpath.get("prefill_node"),
+        "decode_node": dualpath.get("decode_node"),
+        "policy": dualpath.get("policy"),
+        "session_id": dualpath.get("session_id"),
+        "token_ids": ids,
+        "reference_token_ids": ref_ids,
+        "text": text,
+        "reference_text": ref_text,
+    }
+    return error, evidence
 
 
 def prompt_ids(i: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -272,13 +320,16 @@ class Client:
         await self.http.aclose()
 
     def body(self, i: int, max_tokens: int = GEN_TOKENS, stream: bool = False) -> dict:
-        return {
+        body = {
             "model": self.model,
             "prompt": prompt_ids(i),
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": stream,
         }
+        if stream:  # the usage chunk: a streamed turn's cached tokens, for its evidence
+            body["stream_options"] = {"include_usage": True}
+        return body
 
     async def turn(
         self,
@@ -325,16 +376,8 @@ class Client:
             res.wrong = ref is not None and max_tokens == GEN_TOKENS and ids != ref[0]
             if res.wrong:
                 assert ref is not None
-                at = next(
-                    (k for k, (a, b) in enumerate(zip(ids, ref[0], strict=False)) if a != b), None
-                )
-                at = min(len(ids), len(ref[0])) if at is None else at
-                dp = obj["dualpath"]
-                res.error = (
-                    f"prompt {i}: token {at} differs (got {ids[at : at + 3]}, reference "
-                    f"{ref[0][at : at + 3]}); {res.cached} cached tokens read via path "
-                    f"{dp.get('read_path')}, prefill {dp.get('prefill_node')}, decode "
-                    f"{res.decode_node}"
+                res.error, res.evidence = wrong_answer(
+                    i, ids, ref, res.cached, obj["dualpath"], choice.get("text")
                 )
                 log.warning("wrong answer: %s; got %s, reference %s", res.error, ids, ref[0])
             return
@@ -352,12 +395,24 @@ class Client:
         elif st.done:
             res.kind = "ok"
             res.empty = not st.finish_reason or (not st.text and st.finish_reason == "length")
+            dp = (st.final or {}).get("dualpath") or {}
+            ids = dp.get("token_ids")
+            res.cached = ((st.usage or {}).get("prompt_tokens_details") or {}).get(
+                "cached_tokens", 0
+            )
+            res.decode_node = dp.get("decode_node", "")
             ref = self.refs.get(i)
-            res.wrong = ref is not None and max_tokens == GEN_TOKENS and ref[1] != st.text
+            res.wrong = (
+                ref is not None
+                and max_tokens == GEN_TOKENS
+                and (ref[1] != st.text or (ids is not None and ids != ref[0]))
+            )
             if res.wrong:
                 assert ref is not None
-                res.error = f"prompt {i}: streamed text {st.text!r}, reference {ref[1]!r}"
-                log.warning("wrong answer: %s", res.error)
+                res.error, res.evidence = wrong_answer(i, ids, ref, res.cached, dp, st.text)
+                log.warning(
+                    "wrong streamed answer: %s; got %s, reference %s", res.error, ids, ref[0]
+                )
         else:
             res.kind, res.error = "lost", "stream ended without [DONE] or an error event"
 
@@ -400,6 +455,10 @@ class Client:
 # ---- rows ------------------------------------------------------------------------------------
 
 
+MAX_EVIDENCE = 20  # bad answers kept per row
+WORKER_METHODS = frozenset({"Register", "Heartbeats", "KvEvents", "KvSnapshot"})
+
+
 @dataclass
 class Row:
     fault: str
@@ -415,11 +474,20 @@ class Row:
     note: str = ""
     bars: list[str] = field(default_factory=list)  # bars this row missed (empty: all held)
     first_bad: str = ""  # the first lost, hung or wrong answer's error, for the note
+    # each lost, hung or wrong answer (the first MAX_EVIDENCE): kept with the run's logs
+    evidence: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, results: list[Result], bad_input: bool = False) -> None:
         for r in results:
-            if (r.kind in ("lost", "hung") or r.wrong) and not self.first_bad:
-                self.first_bad = f"first {'wrong' if r.wrong else r.kind}: {r.error[:160]}"
+            bad_5xx = bad_input and r.status >= 500
+            if r.kind in ("lost", "hung") or r.wrong or bad_5xx:
+                kind = "wrong" if r.wrong else "5xx" if bad_5xx else r.kind
+                if not self.first_bad:
+                    self.first_bad = f"first {kind}: {r.error[:160]}"
+                if len(self.evidence) < MAX_EVIDENCE:
+                    self.evidence.append(
+                        {"kind": kind, "error": r.error, "status": r.status, **(r.evidence or {})}
+                    )
             self.sent += 1
             if r.kind == "ok":
                 self.succeeded += 1
@@ -672,10 +740,10 @@ class Suite:
         return row
 
     async def _scheduler_in_flight_settles(self, timeout_s: float = 10.0) -> str:
-        from dualpath.grpc_auth import ClusterToken
+        from dualpath.local.cluster import run_dir_auth
         from dualpath.scheduler.client import SchedulerClient
 
-        cl = SchedulerClient(self.cl.scheduler, 5.0, ClusterToken(self.cl.run_dir / "token"))
+        cl = SchedulerClient(self.cl.scheduler, 5.0, run_dir_auth(self.cl.run_dir))
         t0 = time.monotonic()
         try:
             while True:
@@ -755,8 +823,10 @@ class Suite:
     async def grpc_fuzz_row(self) -> Row:
         import grpc
 
-        from dualpath.grpc_auth import ClusterToken
-        from dualpath.local.fuzz import WORKER_METHODS, grpc_cases
+        from dualpath.grpc_auth import channel as worker_channel
+        from dualpath.local.cluster import run_dir_auth
+        from dualpath.local.fuzz import WORKER_METHODS as WORKER_SERVICE_ROLES
+        from dualpath.local.fuzz import grpc_cases
         from dualpath.scheduler.client import channel
         from dualpath.v1 import scheduler_pb2 as pb
         from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
@@ -764,19 +834,31 @@ class Suite:
         from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 
         row = Row("grpc-fuzz")
-        token = ClusterToken(self.cl.run_dir / "token")
-        ch = channel(self.cl.scheduler, token)
+        admin = run_dir_auth(self.cl.run_dir)
+        ch = channel(self.cl.scheduler, admin)
         stub = pb_grpc.SchedulerStub(ch)
+        # the scheduler methods workers call, with a role-wide decode certificate of the run's CA
+        # (under mTLS): malformed input reaches the scheduler's validation, not the identity check
+        wauth = self._worker_auth()
+        wch = channel(self.cl.scheduler, wauth)
+        stubs = (stub, pb_grpc.SchedulerStub(wch))
         # one worker of each role, from the scheduler's view; a real decode agent, so some
         # Prefill calls fail on their regions rather than on the agent
         view = await stub.ClusterView(pb.ClusterViewRequest(), timeout=5)
         roles = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
         addresses = {roles[n.role]: n.address for n in view.nodes if n.role in roles}
-        channels = {role: channel(a, token) for role, a in addresses.items()}
-        workers = {role: wpb_grpc.WorkerStub(c) for role, c in channels.items()}
+        # Generate is the frontend's (admin may make it); Prefill and GetTransferInfo a worker's
+        channels = {
+            (role, who): worker_channel(a, admin if who == "admin" else wauth, server_role=role)
+            for role, a in addresses.items()
+            for who in ("admin", "worker")
+        }
+        workers = {key: wpb_grpc.WorkerStub(c) for key, c in channels.items()}
         agent = None
-        if "decode" in workers:
-            info = await workers["decode"].GetTransferInfo(wpb.TransferInfoRequest(), timeout=5)
+        if ("decode", "worker") in workers:
+            info = await workers["decode", "worker"].GetTransferInfo(
+                wpb.TransferInfoRequest(), timeout=5
+            )
             agent = (info.agent, info.metadata)
         bad = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
         codes: dict[str, int] = {}
@@ -786,12 +868,13 @@ class Suite:
             for case in cases:
                 res = Result("ok", start_s=time.monotonic())
                 if case.service == "Worker":
-                    target = workers.get(WORKER_METHODS[case.method])
+                    who = "admin" if case.method == "Generate" else "worker"
+                    target = workers.get((WORKER_SERVICE_ROLES[case.method], who))
                     if target is None:
                         continue
                     call = getattr(target, case.method)
                 else:
-                    call = getattr(stub, case.method)
+                    call = getattr(stubs[case.method in WORKER_METHODS], case.method)
                 try:
                     if case.method in ("Heartbeats", "KvSnapshot"):
                         await _stream_call(call(timeout=5), case.request)
@@ -814,6 +897,7 @@ class Suite:
                 results.append(res)
         finally:
             await ch.close()
+            await wch.close()
             for c in channels.values():
                 await c.close()
         after = [await self.c.turn(i) for i in self.ref_ids[:4]]
@@ -826,6 +910,17 @@ class Suite:
             + "; then 4 good turns"
         )
         return row
+
+    def _worker_auth(self):  # noqa: ANN202
+        """A role-wide decode certificate of the run's CA (mTLS), else the run's credentials."""
+        from dualpath.local.cluster import run_dir_auth
+        from dualpath.tls import LocalCA, TlsCredentials
+
+        tls = self.cl.run_dir / "tls"
+        if not (tls / "ca").is_dir():
+            return run_dir_auth(self.cl.run_dir)
+        name = yaml.safe_load((self.cl.run_dir / "cluster.yaml").read_text())["metadata"]["name"]
+        return TlsCredentials(LocalCA(tls, name).issue_dir("fuzz", "decode"))
 
     async def sigint_row(self) -> Row:
         row = Row("sigint")
@@ -946,7 +1041,25 @@ async def run_rows(
         while mounted and os.path.ismount(storage):  # the tmpfs (and a bind left over)
             if subprocess.run(["umount", "-l", str(storage)], capture_output=True).returncode:
                 break
+        if any(r.bars for r in done):
+            keep_evidence(out, done)
     return done
+
+
+def keep_evidence(out: Path, rows: list[Row]) -> Path:
+    """A failed run's evidence, where the next run does not overwrite it:
+    `out/failures/<UTC time>/` with the cluster log, the config, the run directory's
+    `cluster.yaml` and `evidence.json` (each failed row's bars, note and bad answers)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = out / "failures" / stamp
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in (out / "cluster.log", out / "faults.yaml", out / "run" / "cluster.yaml"):
+        if src.exists():
+            shutil.copy2(src, dest / src.name)
+    failed = [asdict(r) for r in rows if r.bars]
+    (dest / "evidence.json").write_text(json.dumps(failed, indent=2))
+    log.warning("a row failed: its evidence and the cluster log are kept in %s", dest)
+    return dest
 
 
 async def _row(s: Suite, name: str) -> Row:
@@ -1042,4 +1155,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(done))
         print(f"\ncluster log: {Path(args.out) / 'cluster.log'}")
+        if any(r.bars for r in done):
+            print(f"evidence of the failed rows: {Path(args.out) / 'failures'}/<latest>/")
     return 0 if all(not r.bars for r in done) else 1

@@ -8,8 +8,7 @@ import logging
 import signal
 
 from dualpath import config
-from dualpath.grpc_auth import ClusterToken, add_token_argument
-from dualpath.grpc_auth import load as load_token
+from dualpath.grpc_auth import Auth, add_token_argument, load_auth
 from dualpath.log import name_process
 from dualpath.observability import ObservabilityServer, loop_liveness
 from dualpath.scheduler.policy import POLICY_NAMES
@@ -32,7 +31,7 @@ def build(
     policy_name: str | None = None,
     host: str = "0.0.0.0",
     port: int = 0,
-    token: ClusterToken | None = None,
+    token: Auth | None = None,
 ):
     from dualpath.scheduler.policy import get_policy, thresholds_from_spec
     from dualpath.scheduler.policy.types import DEFAULT_CNIC_BYTES_PER_S
@@ -51,6 +50,7 @@ def build(
         breaker_failures=s.breaker_failures,
         breaker_cooldown_s=s.breaker_open_seconds,
         max_in_flight_per_node=s.max_in_flight_per_node,
+        route_lease_s=s.route_lease_seconds,
     )
     servicer = SchedulerServicer(state, s.heartbeat_interval_ms, s.node_timeout_ms)
     return SchedulerServer(servicer, host, port, token)
@@ -60,7 +60,9 @@ async def serve(args: argparse.Namespace) -> None:
     name_process("scheduler")
     cfg = config.load_or_default(args.file)
     port = args.port if args.port is not None else cfg.spec.scheduler.port
-    server = build(cfg, args.policy, args.host, port, load_token(args.token_file, "scheduler"))
+    server = build(
+        cfg, args.policy, args.host, port, load_auth(args.token_file, args.tls_dir, "scheduler")
+    )
     obs = ObservabilityServer(
         args.metrics_port, live=loop_liveness(asyncio.get_running_loop())
     ).start()

@@ -40,11 +40,12 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def channel(address: str, token: grpc_auth.ClusterToken | None = None) -> grpc.aio.Channel:
+def channel(address: str, token: grpc_auth.Auth | None = None) -> grpc.aio.Channel:
     return grpc_auth.channel(
         address,
         token,
         options=[("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+        server_role="scheduler",
     )
 
 
@@ -53,7 +54,7 @@ class SchedulerClient:
         self,
         address: str,
         timeout_s: float = 10.0,
-        token: grpc_auth.ClusterToken | None = None,
+        token: grpc_auth.Auth | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -126,6 +127,9 @@ class _CurrentStub:
 # Re-registration backoff: from REGISTER_BACKOFF_S, doubling, at most REGISTER_BACKOFF_MAX_S.
 REGISTER_BACKOFF_S = 0.05
 REGISTER_BACKOFF_MAX_S = 0.5
+# Claims kept for the next heartbeat while none flows: the newest (an older route is released by
+# its lease at worst, or was forgotten by a restarted scheduler anyway).
+MAX_CLAIMS_KEPT = 4096
 
 
 class NodeAgent:
@@ -147,7 +151,7 @@ class NodeAgent:
         interval_s: float = 0.02,
         rpc_timeout_s: float = 2.0,
         on_kv_snapshot: Callable[[int], None] | None = None,
-        token: grpc_auth.ClusterToken | None = None,
+        token: grpc_auth.Auth | None = None,
     ) -> None:
         self.reg = reg
         self.on_kv_snapshot = on_kv_snapshot  # the scheduler asks for a store scan (its id)
@@ -169,6 +173,17 @@ class NodeAgent:
         self.refusals = 0  # registrations refused in a row (another process holds the id)
         # one per process start: the scheduler tells a restarted process from a second one
         self.incarnation = uuid.uuid4().hex[:16]
+        # routed requests whose call reached this node, for the next heartbeat (`claim`)
+        self._claimed: list[str] = []
+
+    def claim(self, request_id: str) -> None:
+        """A routed request's call reached this node: the next heartbeat tells the scheduler,
+        which then holds it open until its Complete instead of releasing it after the route
+        lease (spec.scheduler.routeLeaseSeconds)."""
+        if request_id:
+            self._claimed.append(request_id)
+            if len(self._claimed) > MAX_CLAIMS_KEPT:  # no heartbeat flows (scheduler down)
+                del self._claimed[: len(self._claimed) - MAX_CLAIMS_KEPT]
 
     def start(self) -> NodeAgent:
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.reg.node_id}")
@@ -203,8 +218,12 @@ class NodeAgent:
 
     async def _beats(self):
         while not self._stopping.is_set():
+            claimed, self._claimed = self._claimed, []
             yield pb.Heartbeat(
-                node_id=self.reg.node_id, load=load_to_pb(self.load()), incarnation=self.incarnation
+                node_id=self.reg.node_id,
+                load=load_to_pb(self.load()),
+                incarnation=self.incarnation,
+                claimed_request_ids=claimed,
             )
             try:
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.interval_s)

@@ -73,3 +73,8 @@ HEARTBEATS_REFUSED = Counter(
     "dualpath_scheduler_heartbeats_refused_total",
     "Heartbeat streams ended with INVALID_ARGUMENT (a load field out of range)",
 )
+ROUTES_RELEASED = Counter(
+    "dualpath_scheduler_routes_released_total",
+    "Routed requests released because no worker claimed them within spec.scheduler."
+    "routeLeaseSeconds (their call never reached a worker)",
+)

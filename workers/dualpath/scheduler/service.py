@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_auth import Auth, add_port, server_interceptors
 from dualpath.grpc_bounds import BoundsInterceptor, refuse
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
@@ -148,6 +148,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 known = self.state.heartbeat(hb.node_id, **ld._asdict(), incarnation=hb.incarnation)
                 snapshot_id = 0
                 if known:
+                    if hb.claimed_request_ids:
+                        self.state.claim(hb.node_id, hb.claimed_request_ids)
                     if stream is None or stream[0] != hb.node_id:
                         token = self.state.stream_opened(hb.node_id)
                         stream = (hb.node_id, token) if token is not None else None
@@ -356,12 +358,16 @@ class SchedulerServer:
         servicer: SchedulerServicer,
         host: str = "0.0.0.0",
         port: int = 0,
-        token: ClusterToken | None = None,
+        token: Auth | None = None,
     ) -> None:
         self.servicer = servicer
-        # every call but health and reflection needs the cluster token (Register included)
+        # every call but health and reflection needs the cluster token or, under mutual TLS, an
+        # identity that may make it (Register binds a node id to its caller's identity)
         self.server = grpc.aio.server(
-            interceptors=[*server_interceptors(token, "scheduler"), BoundsInterceptor("scheduler")]
+            interceptors=[
+                *server_interceptors(token, "scheduler", bind_nodes=True),
+                BoundsInterceptor("scheduler"),
+            ]
         )
         pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -369,7 +375,7 @@ class SchedulerServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self.server, f"{host}:{port}", token)
         self._liveness: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -387,6 +393,11 @@ class SchedulerServer:
             state = self.servicer.state
             for node_id in state.expire():
                 m.NODE_HEALTHY.labels(node_id).set(0)
+            released = state.release_unclaimed()
+            if released:
+                m.ROUTES_RELEASED.inc(len(released))
+                m.IN_FLIGHT.set(len(state.in_flight))
+                self.servicer._notify()  # slots freed: routes waiting for room try again
             for node_id in state.forget_silent():
                 m.NODES_FORGOTTEN.inc()
                 for gauge in (m.NODE_HEALTHY, m.NODE_READ_PENDING, m.NODE_TOKENS):

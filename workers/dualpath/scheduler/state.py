@@ -39,6 +39,8 @@ BREAKER_COOLDOWN_S: float = SchedulerSpec.model_fields["breaker_open_seconds"].d
 # drain mark with it): a ghost of a process that is gone for good is not listed forever. Its
 # process, if it comes back, is told it is unknown and registers again.
 FORGET_AFTER_TIMEOUTS = 5
+# A routed request no worker claims this long is released: spec.scheduler's default.
+ROUTE_LEASE_S: float = SchedulerSpec.model_fields["route_lease_seconds"].default
 
 
 class NodeConflict(ValueError):
@@ -91,10 +93,17 @@ class SchedulerState:
         breaker_cooldown_s: float = BREAKER_COOLDOWN_S,
         forget_after_s: float | None = None,
         max_in_flight_per_node: int = 0,
+        route_lease_s: float = ROUTE_LEASE_S,
     ) -> None:
         """`forget_after_s`: a node silent this long is dropped (default FORGET_AFTER_TIMEOUTS
         node timeouts). `max_in_flight_per_node`: a node with this many requests routed and
-        not completed takes no more (0: no cap)."""
+        not completed takes no more (0: no cap). `route_lease_s`: a routed request that no
+        node of its pair claims (its call reached neither) this long is released."""
+        self.route_lease_s = route_lease_s
+        # request id -> when it was routed, for the routed requests not claimed yet (in route
+        # order: the oldest first, so a release pass stops at the first one still leased)
+        self._unclaimed: dict[str, float] = {}
+        self.released_total = 0
         self.max_in_flight_per_node = max_in_flight_per_node
         self._routed: dict[str, int] = {}  # node -> requests routed to it, not completed
         self.forget_after_s = (
@@ -355,11 +364,49 @@ class SchedulerState:
         account(self.view, request, decision)
         pair = (decision.prefill_node, decision.decode_node)
         incarnations = {n: self.nodes[n].incarnation for n in pair if n in self.nodes}
-        self.in_flight[request.request_id] = InFlight(request, decision, self.clock(), incarnations)
+        self.in_flight[request.request_id] = InFlight(request, decision, now, incarnations)
+        self._unclaimed[request.request_id] = now
         for node_id in {decision.prefill_node, decision.decode_node}:
             self._routed[node_id] = self._routed.get(node_id, 0) + 1
         self.routed_total += 1
         return decision
+
+    def claim(self, node_id: str, request_ids: Sequence[str]) -> int:
+        """A node's call for routed requests arrived (Generate on decode, Prefill on prefill):
+        they hold no lease any longer. Only a node of a request's pair claims it. Returns the
+        requests claimed."""
+        claimed = 0
+        for request_id in request_ids:
+            flight = self.in_flight.get(request_id)
+            if flight is None or request_id not in self._unclaimed:
+                continue
+            if node_id in (flight.decision.prefill_node, flight.decision.decode_node):
+                del self._unclaimed[request_id]
+                claimed += 1
+        return claimed
+
+    def release_unclaimed(self) -> list[str]:
+        """Release the routed requests no node claimed within the lease (the client or the
+        frontend went away between Route and the worker call): out of the in-flight count and
+        of their nodes' routed counts, as a cancel (no breaker counts it). Returns their ids."""
+        horizon = self.clock() - self.route_lease_s
+        released = []
+        for request_id, routed_at in self._unclaimed.items():
+            if routed_at > horizon:
+                break
+            released.append(request_id)
+        for request_id in released:
+            self.complete(request_id, ok=False, cancelled=True)
+        if released:
+            self.released_total += len(released)
+            log.warning(
+                "released %d routed request(s) no worker claimed within %.0fs (%s%s)",
+                len(released),
+                self.route_lease_s,
+                ", ".join(released[:4]),
+                ", ..." if len(released) > 4 else "",
+            )
+        return released
 
     def routed_in_flight(self, node_id: str) -> int:
         """Requests routed to `node_id` (either side) and not completed yet."""
@@ -375,6 +422,7 @@ class SchedulerState:
         done = self.in_flight.pop(request_id, None)
         if done is None:
             return done
+        self._unclaimed.pop(request_id, None)
         pair = {done.decision.prefill_node, done.decision.decode_node}
         for node_id in pair:
             left = self._routed.get(node_id, 0) - 1

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64ualpath/v1/scheduler.proto\x12\x0b\x64ualpath.v1\"\x9c\x01\n\x08NodeLoad\x12\x1a\n\x12read_pending_bytes\x18\x01 \x01(\x03\x12\x15\n\rtokens_queued\x18\x02 \x01(\x03\x12\x16\n\x0etokens_running\x18\x03 \x01(\x03\x12\x18\n\x10requests_running\x18\x04 \x01(\x05\x12\x19\n\x11\x62uffer_free_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\x84\x02\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x18\n\x10snic_bytes_per_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\x12#\n\x04load\x18\t \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x13\n\x0bincarnation\x18\n \x01(\t\"J\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x17\n\x0fnode_timeout_ms\x18\x02 \x01(\x05\"V\n\tHeartbeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"5\n\x0cHeartbeatAck\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0ekv_snapshot_id\x18\x02 \x01(\x04\"\xcc\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x06 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fqueue_timeout_s\x18\x08 \x01(\x01\x12\x12\n\nblock_keys\x18\t \x01(\x0c\x12\x15\n\rexclude_nodes\x18\n \x03(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xfb\x01\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_node\x18\x02 \x01(\t\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12(\n\tread_path\x18\x06 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x19\n\x11\x65st_read_finish_s\x18\x08 \x01(\x01\x12\x12\n\nhit_tokens\x18\t \x01(\x03\x12\x11\n\thit_bytes\x18\n \x01(\x03\"s\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x11\n\tcancelled\x18\x04 \x01(\x08\x12\x13\n\x0b\x66\x61iled_node\x18\x05 \x01(\t\"\x12\n\x10\x43ompleteResponse\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"8\n\rDrainResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10routed_in_flight\x18\x02 \x01(\r\"\x14\n\x12\x43lusterViewRequest\"\xc8\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12#\n\x04load\x18\x05 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\"t\n\x13\x43lusterViewResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.dualpath.v1.NodeInfo\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0crouted_total\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\x95\x01\n\x0cKvEventBatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0bstored_keys\x18\x04 \x01(\x0c\x12\x16\n\x0estored_parents\x18\x05 \x01(\x0c\x12\x15\n\rstored_depths\x18\x06 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x07 \x01(\x0c\"\x19\n\nKvEventAck\x12\x0b\n\x03gap\x18\x01 \x01(\x08\"E\n\x0fKvSnapshotChunk\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"2\n\rKvSnapshotAck\x12\x11\n\tinstalled\x18\x01 \x01(\x08\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*R\n\x08ReadPath\x12\x19\n\x15READ_PATH_UNSPECIFIED\x10\x00\x12\x15\n\x11READ_PATH_PREFILL\x10\x01\x12\x14\n\x10READ_PATH_DECODE\x10\x02\x32\xbe\x04\n\tScheduler\x12G\n\x08Register\x12\x1c.dualpath.v1.RegisterRequest\x1a\x1d.dualpath.v1.RegisterResponse\x12\x43\n\nHeartbeats\x12\x16.dualpath.v1.Heartbeat\x1a\x19.dualpath.v1.HeartbeatAck(\x01\x30\x01\x12>\n\x05Route\x12\x19.dualpath.v1.RouteRequest\x1a\x1a.dualpath.v1.RouteResponse\x12G\n\x08\x43omplete\x12\x1c.dualpath.v1.CompleteRequest\x1a\x1d.dualpath.v1.CompleteResponse\x12>\n\x05\x44rain\x12\x19.dualpath.v1.DrainRequest\x1a\x1a.dualpath.v1.DrainResponse\x12P\n\x0b\x43lusterView\x12\x1f.dualpath.v1.ClusterViewRequest\x1a .dualpath.v1.ClusterViewResponse\x12>\n\x08KvEvents\x12\x19.dualpath.v1.KvEventBatch\x1a\x17.dualpath.v1.KvEventAck\x12H\n\nKvSnapshot\x12\x1c.dualpath.v1.KvSnapshotChunk\x1a\x1a.dualpath.v1.KvSnapshotAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64ualpath/v1/scheduler.proto\x12\x0b\x64ualpath.v1\"\x9c\x01\n\x08NodeLoad\x12\x1a\n\x12read_pending_bytes\x18\x01 \x01(\x03\x12\x15\n\rtokens_queued\x18\x02 \x01(\x03\x12\x16\n\x0etokens_running\x18\x03 \x01(\x03\x12\x18\n\x10requests_running\x18\x04 \x01(\x05\x12\x19\n\x11\x62uffer_free_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\x84\x02\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x18\n\x10snic_bytes_per_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\x12#\n\x04load\x18\t \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x13\n\x0bincarnation\x18\n \x01(\t\"J\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x17\n\x0fnode_timeout_ms\x18\x02 \x01(\x05\"s\n\tHeartbeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x1b\n\x13\x63laimed_request_ids\x18\x04 \x03(\t\"5\n\x0cHeartbeatAck\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0ekv_snapshot_id\x18\x02 \x01(\x04\"\xcc\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x06 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fqueue_timeout_s\x18\x08 \x01(\x01\x12\x12\n\nblock_keys\x18\t \x01(\x0c\x12\x15\n\rexclude_nodes\x18\n \x03(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xfb\x01\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_node\x18\x02 \x01(\t\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12(\n\tread_path\x18\x06 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x19\n\x11\x65st_read_finish_s\x18\x08 \x01(\x01\x12\x12\n\nhit_tokens\x18\t \x01(\x03\x12\x11\n\thit_bytes\x18\n \x01(\x03\"s\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x11\n\tcancelled\x18\x04 \x01(\x08\x12\x13\n\x0b\x66\x61iled_node\x18\x05 \x01(\t\"\x12\n\x10\x43ompleteResponse\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"8\n\rDrainResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10routed_in_flight\x18\x02 \x01(\r\"\x14\n\x12\x43lusterViewRequest\"\xc8\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12#\n\x04load\x18\x05 \x01(\x0b\x32\x15.dualpath.v1.NodeLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\r\n\x05group\x18\x07 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x08 \x01(\t\"t\n\x13\x43lusterViewResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.dualpath.v1.NodeInfo\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0crouted_total\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x03\"\x95\x01\n\x0cKvEventBatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0bstored_keys\x18\x04 \x01(\x0c\x12\x16\n\x0estored_parents\x18\x05 \x01(\x0c\x12\x15\n\rstored_depths\x18\x06 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x07 \x01(\x0c\"\x19\n\nKvEventAck\x12\x0b\n\x03gap\x18\x01 \x01(\x08\"E\n\x0fKvSnapshotChunk\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"2\n\rKvSnapshotAck\x12\x11\n\tinstalled\x18\x01 \x01(\x08\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*R\n\x08ReadPath\x12\x19\n\x15READ_PATH_UNSPECIFIED\x10\x00\x12\x15\n\x11READ_PATH_PREFILL\x10\x01\x12\x14\n\x10READ_PATH_DECODE\x10\x02\x32\xbe\x04\n\tScheduler\x12G\n\x08Register\x12\x1c.dualpath.v1.RegisterRequest\x1a\x1d.dualpath.v1.RegisterResponse\x12\x43\n\nHeartbeats\x12\x16.dualpath.v1.Heartbeat\x1a\x19.dualpath.v1.HeartbeatAck(\x01\x30\x01\x12>\n\x05Route\x12\x19.dualpath.v1.RouteRequest\x1a\x1a.dualpath.v1.RouteResponse\x12G\n\x08\x43omplete\x12\x1c.dualpath.v1.CompleteRequest\x1a\x1d.dualpath.v1.CompleteResponse\x12>\n\x05\x44rain\x12\x19.dualpath.v1.DrainRequest\x1a\x1a.dualpath.v1.DrainResponse\x12P\n\x0b\x43lusterView\x12\x1f.dualpath.v1.ClusterViewRequest\x1a .dualpath.v1.ClusterViewResponse\x12>\n\x08KvEvents\x12\x19.dualpath.v1.KvEventBatch\x1a\x17.dualpath.v1.KvEventAck\x12H\n\nKvSnapshot\x12\x1c.dualpath.v1.KvSnapshotChunk\x1a\x1a.dualpath.v1.KvSnapshotAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dualpath.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2019
-  _globals['_ROLE']._serialized_end=2082
-  _globals['_READPATH']._serialized_start=2084
-  _globals['_READPATH']._serialized_end=2166
+  _globals['_ROLE']._serialized_start=2048
+  _globals['_ROLE']._serialized_end=2111
+  _globals['_READPATH']._serialized_start=2113
+  _globals['_READPATH']._serialized_end=2195
   _globals['_NODELOAD']._serialized_start=45
   _globals['_NODELOAD']._serialized_end=201
   _globals['_REGISTERREQUEST']._serialized_start=204
@@ -42,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=466
   _globals['_REGISTERRESPONSE']._serialized_end=540
   _globals['_HEARTBEAT']._serialized_start=542
-  _globals['_HEARTBEAT']._serialized_end=628
-  _globals['_HEARTBEATACK']._serialized_start=630
-  _globals['_HEARTBEATACK']._serialized_end=683
-  _globals['_ROUTEREQUEST']._serialized_start=686
-  _globals['_ROUTEREQUEST']._serialized_end=890
-  _globals['_ROUTERESPONSE']._serialized_start=893
-  _globals['_ROUTERESPONSE']._serialized_end=1144
-  _globals['_COMPLETEREQUEST']._serialized_start=1146
-  _globals['_COMPLETEREQUEST']._serialized_end=1261
-  _globals['_COMPLETERESPONSE']._serialized_start=1263
-  _globals['_COMPLETERESPONSE']._serialized_end=1281
-  _globals['_DRAINREQUEST']._serialized_start=1283
-  _globals['_DRAINREQUEST']._serialized_end=1314
-  _globals['_DRAINRESPONSE']._serialized_start=1316
-  _globals['_DRAINRESPONSE']._serialized_end=1372
-  _globals['_CLUSTERVIEWREQUEST']._serialized_start=1374
-  _globals['_CLUSTERVIEWREQUEST']._serialized_end=1394
-  _globals['_NODEINFO']._serialized_start=1397
-  _globals['_NODEINFO']._serialized_end=1597
-  _globals['_CLUSTERVIEWRESPONSE']._serialized_start=1599
-  _globals['_CLUSTERVIEWRESPONSE']._serialized_end=1715
-  _globals['_KVEVENTBATCH']._serialized_start=1718
-  _globals['_KVEVENTBATCH']._serialized_end=1867
-  _globals['_KVEVENTACK']._serialized_start=1869
-  _globals['_KVEVENTACK']._serialized_end=1894
-  _globals['_KVSNAPSHOTCHUNK']._serialized_start=1896
-  _globals['_KVSNAPSHOTCHUNK']._serialized_end=1965
-  _globals['_KVSNAPSHOTACK']._serialized_start=1967
-  _globals['_KVSNAPSHOTACK']._serialized_end=2017
-  _globals['_SCHEDULER']._serialized_start=2169
-  _globals['_SCHEDULER']._serialized_end=2743
+  _globals['_HEARTBEAT']._serialized_end=657
+  _globals['_HEARTBEATACK']._serialized_start=659
+  _globals['_HEARTBEATACK']._serialized_end=712
+  _globals['_ROUTEREQUEST']._serialized_start=715
+  _globals['_ROUTEREQUEST']._serialized_end=919
+  _globals['_ROUTERESPONSE']._serialized_start=922
+  _globals['_ROUTERESPONSE']._serialized_end=1173
+  _globals['_COMPLETEREQUEST']._serialized_start=1175
+  _globals['_COMPLETEREQUEST']._serialized_end=1290
+  _globals['_COMPLETERESPONSE']._serialized_start=1292
+  _globals['_COMPLETERESPONSE']._serialized_end=1310
+  _globals['_DRAINREQUEST']._serialized_start=1312
+  _globals['_DRAINREQUEST']._serialized_end=1343
+  _globals['_DRAINRESPONSE']._serialized_start=1345
+  _globals['_DRAINRESPONSE']._serialized_end=1401
+  _globals['_CLUSTERVIEWREQUEST']._serialized_start=1403
+  _globals['_CLUSTERVIEWREQUEST']._serialized_end=1423
+  _globals['_NODEINFO']._serialized_start=1426
+  _globals['_NODEINFO']._serialized_end=1626
+  _globals['_CLUSTERVIEWRESPONSE']._serialized_start=1628
+  _globals['_CLUSTERVIEWRESPONSE']._serialized_end=1744
+  _globals['_KVEVENTBATCH']._serialized_start=1747
+  _globals['_KVEVENTBATCH']._serialized_end=1896
+  _globals['_KVEVENTACK']._serialized_start=1898
+  _globals['_KVEVENTACK']._serialized_end=1923
+  _globals['_KVSNAPSHOTCHUNK']._serialized_start=1925
+  _globals['_KVSNAPSHOTCHUNK']._serialized_end=1994
+  _globals['_KVSNAPSHOTACK']._serialized_start=1996
+  _globals['_KVSNAPSHOTACK']._serialized_end=2046
+  _globals['_SCHEDULER']._serialized_start=2198
+  _globals['_SCHEDULER']._serialized_end=2772
 # @@protoc_insertion_point(module_scope)

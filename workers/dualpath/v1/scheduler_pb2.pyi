@@ -74,14 +74,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., node_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("node_id", "load", "incarnation")
+    __slots__ = ("node_id", "load", "incarnation", "claimed_request_ids")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: NodeLoad
     incarnation: str
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    claimed_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., incarnation: _Optional[str] = ..., claimed_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
     __slots__ = ("known", "kv_snapshot_id")

@@ -9,8 +9,7 @@ import signal
 import socket
 
 from dualpath import config
-from dualpath.grpc_auth import add_token_argument
-from dualpath.grpc_auth import load as load_token
+from dualpath.grpc_auth import add_token_argument, load_auth
 from dualpath.log import name_process
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
         advertise=args.advertise,
         advertise_host=os.environ.get("POD_IP")
         or (args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()),
-        token=load_token(args.token_file, f"{role.value} worker {node_id}"),
+        token=load_auth(args.token_file, args.tls_dir, f"{role.value} worker {node_id}"),
     )
     node = WorkerNode(cfg, opts)
     obs = ObservabilityServer(args.metrics_port, health=node.health, live=node.live).start()

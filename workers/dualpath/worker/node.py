@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import ClusterToken, connected
+from dualpath.grpc_auth import Auth, connected
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
@@ -59,8 +59,9 @@ class NodeOptions:
     request_timeout_s: float | None = None  # one Prefill call, queueing for compute included
     drain_s: float | None = None  # drain bound on SIGTERM
     store_backend: str = "auto"
-    # the cluster token every gRPC call to and from this node carries (None: unauthenticated)
-    token: ClusterToken | None = None
+    # the cluster token every gRPC call to and from this node carries, or its mutual TLS
+    # certificate (`dualpath.tls`); None: unauthenticated
+    token: Auth | None = None
 
 
 def _given_or(given: float | None, spec_value: float) -> float:
@@ -184,6 +185,7 @@ class WorkerNode:
                 address,
                 self.opts.token,
                 options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                server_role="prefill",  # a decode node calls prefill nodes' Prefill only
             )
         await connected(ch)
         return wpb_grpc.WorkerStub(ch)

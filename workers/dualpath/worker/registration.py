@@ -92,6 +92,11 @@ class NodeRegistration:
             "(registering again)" if self.agent.registrations else "yet"
         )
 
+    def claim(self, request_id: str) -> None:
+        """A routed request's call reached this node: the scheduler stops its route lease."""
+        if self.agent is not None:
+            self.agent.claim(request_id)
+
     async def flush_kv_events(self) -> None:
         """Wait until the scheduler's block index has this store's events so far."""
         if self.publisher is not None:

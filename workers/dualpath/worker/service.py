@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_auth import Auth, add_port, server_interceptors
 from dualpath.grpc_bounds import BoundsInterceptor, refuse
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import worker_pb2 as wpb
@@ -82,6 +82,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         order = await self._accept(context, "Prefill", n.prefill, prefill_from_pb, request)
         outcome = PrefillOutcome()
         n.inflight += 1  # a drain waits for it: its reads, relays and handoff to decode
+        n.registration.claim(order.request_id)
         try:
             with n.transfer.active():
                 async for message in n.prefill.serve(order, outcome):
@@ -119,6 +120,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         n = self.node
         turn = await self._accept(context, "Generate", n.decode, generate_from_pb, request)
         n.inflight += 1
+        n.registration.claim(turn.request_id)
         try:
             async for chunk in n.decode.generate(turn):
                 yield chunk_to_pb(chunk)
@@ -137,7 +139,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 class WorkerServer:
     """The node's grpc.aio server: the Worker service and the standard health service."""
 
-    def __init__(self, node: WorkerNode, token: ClusterToken | None) -> None:
+    def __init__(self, node: WorkerNode, token: Auth | None) -> None:
+        self.token = token
         component = f"{node.role.value}-worker"
         self.server = grpc.aio.server(
             interceptors=[*server_interceptors(token, component), BoundsInterceptor(component)],
@@ -152,7 +155,7 @@ class WorkerServer:
 
     async def start(self, host: str, port: int) -> int:
         """Serve on host:port (0: any free port); returns the bound port."""
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(self.server, f"{host}:{port}", self.token)
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("dualpath.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
