@@ -28,9 +28,11 @@ from .builders import (
     CLUSTER_LABEL,
     POOL_KIND,
     child_name,
+    needs_cert_manager_answer,
     operator_ca_secrets,
     pool_for_apply,
     render,
+    with_cert_manager,
 )
 from .builders import token_secret as build_token_secret
 from .builders.common import selector_labels
@@ -134,14 +136,9 @@ def parse_spec(p: Pass) -> None:
 def resolve_cert_manager(api: ClusterApi, cfg: config.ClusterConfig) -> config.ClusterConfig:
     """`cfg` with an unset `spec.security.tls.certManager` set to whether the API server serves
     cert-manager's Certificates (its CRDs are installed), so the builders stay pure."""
-    tls = cfg.spec.security.tls
-    if tls.mode is not config.TlsMode.MTLS or tls.cert_manager is not None:
+    if not needs_cert_manager_answer(cfg):
         return cfg
-    found = api.served(CERT_MANAGER, "Certificate")
-    security = cfg.spec.security.model_copy(
-        update={"tls": tls.model_copy(update={"cert_manager": found})}
-    )
-    return cfg.model_copy(update={"spec": cfg.spec.model_copy(update={"security": security})})
+    return with_cert_manager(cfg, api.served(CERT_MANAGER, "Certificate"))
 
 
 def resolve_replicas(p: Pass) -> None:

@@ -29,12 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "operator creates once under security.tls.mode mtls without cert-manager (without the "
         "operator: `kubectl create` them once)",
     )
+    parser.add_argument(
+        "--cert-manager",
+        choices=("yes", "no"),
+        default="no",
+        help="whether the target cluster serves cert-manager, for an mTLS spec that leaves "
+        "security.tls.certManager unset (the operator asks its API server; default: no)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from dualpath.grpc_auth import new_token
 
-    from .builders import operator_ca_secrets, render, token_secret
+    from .builders import operator_ca_secrets, render, token_secret, with_cert_manager
     from .crd import cluster_crd, pool_crd
 
     try:
@@ -42,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except config.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    cfg = with_cert_manager(cfg, getattr(args, "cert_manager", "no") == "yes")
     owner = {"name": cfg.name, "uid": args.uid} if args.uid else None
     docs = ([cluster_crd(), pool_crd()] if args.crds else []) + render(cfg, owner)
     if getattr(args, "token_secret", False):  # callers may build the namespace themselves

@@ -12,7 +12,14 @@ from typing import Any
 import yaml
 from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
 
-from .certs import CERT_MANAGER, cert_manager_objects, operator_ca_secrets, use_cert_manager
+from .certs import (
+    CERT_MANAGER,
+    cert_manager_objects,
+    needs_cert_manager_answer,
+    operator_ca_secrets,
+    use_cert_manager,
+    with_cert_manager,
+)
 from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
 from .netpol import network_policies
 from .pods import token_secret_name
@@ -126,6 +133,7 @@ __all__ = [
     "child_name",
     "config_map",
     "labels",
+    "needs_cert_manager_answer",
     "opensm_qos_policy",
     "operator_ca_secrets",
     "owner_reference",
@@ -134,4 +142,5 @@ __all__ = [
     "qos_env",
     "render",
     "token_secret",
+    "with_cert_manager",
 ]

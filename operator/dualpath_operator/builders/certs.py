@@ -43,6 +43,24 @@ def mtls(cfg: ClusterConfig) -> bool:
     return cfg.spec.security.tls.mode is TlsMode.MTLS
 
 
+def needs_cert_manager_answer(cfg: ClusterConfig) -> bool:
+    """Whether the rendering depends on an unset `certManager` (mTLS without a choice)."""
+    return mtls(cfg) and cfg.spec.security.tls.cert_manager is None
+
+
+def with_cert_manager(cfg: ClusterConfig, found: bool) -> ClusterConfig:
+    """`cfg` with an unset `spec.security.tls.certManager` set to `found` (whether the cluster
+    serves cert-manager): the operator asks its API server, `dualpath render` its flag. Both
+    go through here, so their config hashes agree."""
+    if not needs_cert_manager_answer(cfg):
+        return cfg
+    tls = cfg.spec.security.tls
+    security = cfg.spec.security.model_copy(
+        update={"tls": tls.model_copy(update={"cert_manager": found})}
+    )
+    return cfg.model_copy(update={"spec": cfg.spec.model_copy(update={"security": security})})
+
+
 def use_cert_manager(cfg: ClusterConfig) -> bool:
     """cert-manager issues the certificates (unset: no; the operator resolves it first)."""
     return mtls(cfg) and bool(cfg.spec.security.tls.cert_manager)

@@ -5,7 +5,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 from dualpath import config
-from dualpath_operator.builders import CONFIG_HASH_KEY, render
+from dualpath_operator.builders import CONFIG_HASH_KEY, render, with_cert_manager
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S_VERSIONS = ["1.28.0", "1.33.0"]
@@ -105,7 +105,8 @@ def test_render_cli_prints_what_the_operator_applies(capsys):
     import yaml
 
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    cfg = config.load(ROOT / "examples" / "dualpathcluster.yaml")
+    # what the operator applies on a cluster that serves no cert-manager (render's default)
+    cfg = with_cert_manager(config.load(ROOT / "examples" / "dualpathcluster.yaml"), False)
     assert docs == render(cfg, {"name": cfg.name, "uid": "u"})
 
 

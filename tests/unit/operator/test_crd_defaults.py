@@ -14,7 +14,7 @@ import yaml
 from crdtools import apply_defaults, crd_schema, defaulted
 from dualpath import config
 from dualpath_operator import crd, render_cli
-from dualpath_operator.builders import render
+from dualpath_operator.builders import render, with_cert_manager
 from pydantic import BaseModel, TypeAdapter
 from pydantic.alias_generators import to_camel
 
@@ -63,6 +63,8 @@ SPECS = {
 
 
 def _render_text(cfg):
+    """What the operator applies on a cluster that serves no cert-manager (render's default)."""
+    cfg = with_cert_manager(cfg, False)
     return yaml.safe_dump_all(render(cfg, {"name": cfg.name, "uid": "u-1"}), sort_keys=False)
 
 

@@ -10,6 +10,7 @@ from dualpath_operator.status import PHASE_CONDITIONS, ConditionType, compute_st
 from fakeapi import FakeApi, api_error
 from test_reconcile import DPC, DPP, ROOT, cond, cr, token_mode
 
+CERT_MANAGER_KIND = ("cert-manager.io/v1", "Certificate")
 FORBIDDEN = api_error(403, "Forbidden", "secrets is forbidden")
 UNAVAILABLE = api_error(503, "ServiceUnavailable", "etcd down")
 
@@ -126,6 +127,25 @@ def test_under_mtls_the_phase_makes_the_ca_unless_cert_manager_is_served(api):
     assert p.cfg.spec.security.tls.cert_manager is True
     phases.ensure_token(p)
     assert ("v1", "Secret", "default", "agents-ca") not in api.objects  # cert-manager's job
+
+
+def test_dualpath_render_resolves_cert_manager_as_the_operator_does(api, tmp_path, capsys):
+    """The operator's applied config hash equals `dualpath render`'s (the e2e's first check):
+    both resolve an unset certManager through one function, render from its flag."""
+    import argparse
+
+    from dualpath_operator import render_cli
+
+    example = ROOT / "examples" / "dualpathcluster.yaml"
+    for served, flag in ((frozenset(), "no"), (frozenset({CERT_MANAGER_KIND}), "yes")):
+        api.served_kinds = served
+        p = new_pass(api, upto="token")
+        parser = argparse.ArgumentParser()
+        render_cli.add_arguments(parser)
+        assert render_cli.run(parser.parse_args(["-f", str(example), "--cert-manager", flag])) == 0
+        rendered = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+        cm = next(d for d in rendered if d["kind"] == "ConfigMap")
+        assert cm["data"]["config-hash"] == p.cfg.config_hash, flag
 
 
 # -- apply -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from crdtools import admit
 from dualpath import config
 from dualpath.cli import build_parser
 from dualpath_operator import crd
-from dualpath_operator.builders import render
+from dualpath_operator.builders import render, with_cert_manager
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "dualpathcluster-vllm.yaml"
@@ -217,6 +217,6 @@ def test_dualpath_render_prints_the_vllm_pods(capsys, cfg):
 
     assert main(["render", "-f", str(EXAMPLE), "--uid", OWNER["uid"]]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert docs == render(cfg, OWNER)
+    assert docs == render(with_cert_manager(cfg, False), OWNER)  # the operator, no cert-manager
     c = _pod(docs, "agents-vllm-decode")["containers"][0]
     assert c["image"].endswith("-vllm") and c["args"][0] == "worker"
