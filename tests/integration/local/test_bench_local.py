@@ -15,6 +15,7 @@ def test_bench_local_runs_both_policies_from_one_seed(tmp_path: Path, capsys, be
     args = bench_args(
         *["--agents", "2", "--turns", "3", "--first-tokens", "96", "--append-tokens", "8"],
         *["--gen-tokens", "2", "--snic-gbps", "1", "--plot", str(tmp_path / "p.png")],
+        *["--kv-dir", str(tmp_path / "kv"), "--keep"],
     )
     assert bench.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -26,5 +27,5 @@ def test_bench_local_runs_both_policies_from_one_seed(tmp_path: Path, capsys, be
         assert r["turns"] == 2 * (3 - 1)  # 2 agents x 3 turns, the warm-up turn left out
     assert runs["prefill-read"]["bytes_read"]["decode"] == 0  # only the prefill SNIC reads
     assert runs["prefill-read"]["bytes_read"]["prefill"] > 0
-    assert (tmp_path / "out" / "seed-kv" / "blocks").is_dir()
+    assert (tmp_path / "kv" / "seed-kv" / "blocks").is_dir()  # kept: --keep
     assert (tmp_path / "p.png").stat().st_size > 0
