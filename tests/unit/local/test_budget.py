@@ -10,25 +10,27 @@ def test_the_whole_trace_when_it_fits() -> None:
     plan = budget.plan_turns([10] * 12, {"prefill-read": 0.5, "dualpath": 0.2}, 10, 300, 1)
     assert plan.turns == 10 and plan.fits
     assert plan.replayed_turns == plan.trace_turns == 120 and plan.left_out_turns == 0
-    assert plan.phase_s == pytest.approx({"prefill-read": 70.0, "dualpath": 34.0})
+    # 108 measured turns (the warm-up turns were served once, before) after a 10 s start
+    assert plan.phase_s == pytest.approx({"prefill-read": 64.0, "dualpath": 31.6})
 
 
 def test_a_slower_machine_replays_fewer_turns_per_agent_within_the_share() -> None:
-    # 4x slower turns: 12 agents x t turns cost 12 t (2.0 + 0.8) + 2 x 10 s of starts
+    # 4x slower turns: 12 agents x (t - 1) measured turns cost 12 (t - 1) (2.0 + 0.8) + 2 x 10 s
     per_turn = {"prefill-read": 2.0, "dualpath": 0.8}
     plan = budget.plan_turns([10] * 12, per_turn, 10, 300, 1)
     assert plan.fits and 2 <= plan.turns < 10
     assert sum(plan.phase_s.values()) <= budget.PLAN_SHARE * 300
     more = budget.plan_turns([10] * 12, per_turn, 10, 300 * 2, 1)
     assert more.turns > plan.turns  # the next turn would not have fit
-    over = 20 + 12 * (plan.turns + 1) * 2.8
+    over = 20 + 12 * plan.turns * 2.8  # one more turn an agent
     assert over > budget.PLAN_SHARE * 300
     assert plan.left_out_turns == 12 * (10 - plan.turns)
 
 
 def test_agents_shorter_than_the_cut_keep_all_their_turns() -> None:
     plan = budget.plan_turns([2, 10, 10], {"p": 1.0}, 0, 20, 1)
-    assert plan.turns == 7 and plan.replayed_turns == 2 + 7 + 7  # 16 s of the 0.8 x 20
+    # measured turns: 1 + 7 + 7 = 15 s of the 0.8 x 20 (one more: 17 s)
+    assert plan.turns == 8 and plan.replayed_turns == 2 + 8 + 8
 
 
 def test_when_nothing_fits_the_smallest_run_is_planned_and_said_so() -> None:

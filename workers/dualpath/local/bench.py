@@ -49,6 +49,10 @@ POLICIES = ("prefill-read", "dualpath")
 # compute, as with hundreds of GB of KV per second of GPU prefill behind a 400 Gbps SNIC. A fixed
 # cap in Gbps would not: the CPU model's compute speed differs from one machine to the next.
 READ_TO_COMPUTE = 4.0
+# The calibration's prefills: up to `samples`, at least MIN_SAMPLES, no new one past
+# CALIBRATE_S seconds of them (on a machine at load 13 one took 1.4 s, so 7 took 10 s).
+MIN_SAMPLES = 3
+CALIBRATE_S = 4.0
 
 
 def auto_or_number(what: str, positive: bool = False) -> Callable[[str], float | str]:
@@ -126,12 +130,18 @@ def calibrate_snic(
 
     async def timed() -> list[float]:
         await measure_one(engine, hit, new, 1)  # warm-up
-        return [await measure_one(engine, hit, new, 1) for _ in range(samples)]
+        times: list[float] = []
+        spent = 0.0  # a busy machine makes each sample slow: stop at a few seconds' worth
+        while len(times) < samples and (len(times) < MIN_SAMPLES or spent < CALIBRATE_S):
+            times.append(await measure_one(engine, hit, new, 1))
+            spent += times[-1]
+        return times
 
     with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
-        prefill_s = statistics.median(asyncio.run(timed()))
+        times = asyncio.run(timed())
+    prefill_s = statistics.median(times)
     gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
-    cal = SnicCalibration(hit, new, hit_bytes, prefill_s, samples, read_to_compute, gbps)
+    cal = SnicCalibration(hit, new, hit_bytes, prefill_s, len(times), read_to_compute, gbps)
     log.info(
         "SNIC cap %.3f Gbps: the median turn (%d hit + %d new tokens) prefills in %.3f s here, "
         "its %.1f MB hit reads in %.1fx that",
@@ -333,6 +343,7 @@ async def replay(
     context_of: dict[str, str] | None = None,
     results: list[TurnResult] | None = None,
     deadline_s: float | None = None,
+    answered: dict[tuple[str, int], list[int]] | None = None,
 ) -> list[TurnResult]:
     """Replay every agent concurrently; each agent's turns run one after another.
 
@@ -343,9 +354,12 @@ async def replay(
     stored beforehand; online mode); its appended tokens stay its own.
     Turns are appended to `results` as they end (pass a list to keep what ended when the replay
     is cancelled or interrupted). At `deadline_s` (time.monotonic()) no turn starts any more and
-    the turns in flight are cancelled (not counted).
+    the turns in flight are cancelled (not counted). A turn in `answered` ((agent, turn) ->
+    its greedy answer, e.g. from the warm-up's cluster) is not sent: its answer extends the
+    history as if it had been (the same tokens: greedy answers do not depend on the cluster).
     """
     results = [] if results is None else results
+    answered = answered or {}
     warm_left = len(trajectories) if warmup_turns else 0
     warm = asyncio.Event()
     if not warm_left:
@@ -374,13 +388,16 @@ async def replay(
             if warmup_turns and i == warmup_turns:
                 warmed()
                 await warm.wait()
-            if i and think_scale > 0 and turn.think_s > 0:
-                await asyncio.sleep(turn.think_s * think_scale)
             if turn.prompt_tokens >= 0:  # recorded (--trace): keep its hit, fill to its prompt
                 keep = min(len(history), turn.hit(len(history), turn.prompt_tokens))
                 history = history[:keep] + _tokens(rng, turn.prompt_tokens - keep, vocab)
             else:
                 history += _tokens(rng, turn.append_tokens, vocab)
+            if (tr.agent_id, i) in answered:  # served before (the warm-up): its answer, no turn
+                history += answered[(tr.agent_id, i)]
+                continue
+            if i and think_scale > 0 and turn.think_s > 0:
+                await asyncio.sleep(turn.think_s * think_scale)
             body = {
                 "model": model,
                 "prompt": history,
@@ -519,6 +536,7 @@ def replay_on(
     on_warm: Callable[[], None] | None = None,
     results: list[TurnResult] | None = None,
     deadline_s: float | None = None,
+    answered: dict[tuple[str, int], list[int]] | None = None,
 ) -> list[TurnResult]:
     """`replay` against a running cluster's frontend, one connection per agent."""
 
@@ -537,6 +555,7 @@ def replay_on(
                 on_warm=on_warm,
                 results=results,
                 deadline_s=deadline_s,
+                answered=answered,
             )
 
     try:
@@ -552,6 +571,9 @@ class Seed:
     path: Path
     warmed: set[str]  # agents whose warm-up turns all ended (the others are left out)
     start_s: float  # how long its cluster took to start (a policy's cluster takes about as long)
+    # the warm-up turns' greedy answers: the policies' runs extend their histories with them
+    # instead of sending those turns again
+    answers: dict[tuple[str, int], list[int]] = field(default_factory=dict)
 
 
 def kv_root(args: argparse.Namespace) -> Path:
@@ -578,6 +600,7 @@ def seed_storage(
     scfg = with_overrides(cfg, **{"storage.path": str(seed)})
     t0 = time.monotonic()
     warmed: set[str] = set()
+    answers: dict[tuple[str, int], list[int]] = {}
     with LocalCluster(
         scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
     ) as cluster:
@@ -604,7 +627,8 @@ def seed_storage(
                 raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
             done = Counter(r.agent for r in results)
             warmed |= {t.agent_id for t in head if done[t.agent_id] == len(t.turns)}
-    return Seed(seed, warmed, start_s)
+            answers.update({(r.agent, r.turn): r.generated for r in results})
+    return Seed(seed, warmed, start_s, answers)
 
 
 def policy_config(
@@ -640,11 +664,12 @@ def run_policy(
     seed: Path | None = None,
     phase: str = "",
     deadline_s: float | None = None,
+    answered: dict[tuple[str, int], list[int]] | None = None,
 ) -> tuple[PolicyResult, list[TurnResult]]:
     """One policy's cluster replays `trajectories`: the figures from its first measured turn
     (after every agent's warm-up) to its last ended one. At `deadline_s` (time.monotonic()) no
     turn starts any more (`PolicyResult.cut`); on SIGINT/SIGTERM raises `PolicyInterrupted`
-    with the figures so far."""
+    with the figures so far. The warm-up turns in `answered` are not sent again."""
     from dualpath.local.cluster import LocalCluster
 
     pcfg = policy_config(cfg, policy, seed)
@@ -652,7 +677,10 @@ def run_policy(
     nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
     caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
     results: list[TurnResult] = []
-    total = sum(len(t.turns) for t in trajectories)
+    answered = answered or {}
+    total = sum(
+        1 for t in trajectories for i in range(len(t.turns)) if (t.agent_id, i) not in answered
+    )
     with LocalCluster(pcfg, run_dir, sink=sink, log_level="WARNING") as cluster:
         prog = Progress(total, policy, phase=phase, deadline_s=deadline_s)
         mark: dict[str, Any] = {}
@@ -682,6 +710,7 @@ def run_policy(
                 on_warm=on_warm,
                 results=results,
                 deadline_s=deadline_s,
+                answered=answered,
             )
         except Interrupted as stop:
             try:
@@ -885,7 +914,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
     try:
         with log_path.open("w") as sink:
-            seed = None
+            seed, answered = None, None
             if args.warmup_turns:
                 warm_end = None
                 if end_s is not None:  # past half the budget, the policies' turns come first
@@ -893,7 +922,7 @@ def run_offline(args: argparse.Namespace) -> int:
                 seed_run = seed_storage(
                     cfg, [trajectories], args, sink, phase("warm-up"), deadline_s=warm_end
                 )
-                seed = seed_run.path
+                seed, answered = seed_run.path, seed_run.answers
                 left = [t for t in trajectories if t.agent_id not in seed_run.warmed]
                 if left:
                     cut["agents_not_warmed"] = [t.agent_id for t in left]
@@ -903,19 +932,24 @@ def run_offline(args: argparse.Namespace) -> int:
                         args, cfg, calibration, trajectories, policies, seed_run.start_s, end_s, cut
                     )
             predicted = cut.get("predicted_phase_s", {})
+            floor_s = 0.0  # after a cut phase: the next ones get at least half its time
             for i, policy in enumerate(policies):
                 deadline = None
+                t_phase = time.monotonic()
                 if end_s is not None and predicted:
                     rest = {p: predicted[p] for p in policies[i:]}
-                    deadline = budget.phase_deadline_s(time.monotonic(), end_s, rest, policy)
+                    deadline = budget.phase_deadline_s(t_phase, end_s, rest, policy)
+                    deadline = max(deadline, t_phase + floor_s)
                 res, turns = run_policy(
-                    cfg, policy, trajectories, args, sink, seed, phase(policy), deadline
+                    cfg, policy, trajectories, args, sink, seed, phase(policy), deadline, answered
                 )
                 out.append(res)
                 answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
                 if res.cut:  # the next policies replay what this one did, no more
                     cut.setdefault("deadline", {})[policy] = len(turns)
                     trajectories = completed_only(trajectories, turns)
+                    # the same turns, in (a fraction of) the time this one had: a fair chance
+                    floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
     except PolicyInterrupted as stop:
         interrupted = stop
         if stop.partial is not None:
@@ -1006,11 +1040,13 @@ def fit_budget(
 
 def completed_only(trajectories: list[Trajectory], turns: list[TurnResult]) -> list[Trajectory]:
     """Each agent's turns up to the last one that ended (what a policy cut at its deadline ran)."""
-    done = Counter(t.agent for t in turns)
+    last: dict[str, int] = {}
+    for r in turns:
+        last[r.agent] = max(last.get(r.agent, -1), r.turn)
     return [
-        Trajectory(t.agent_id, t.turns[: done[t.agent_id]], t.first_tokens)
+        Trajectory(t.agent_id, t.turns[: last[t.agent_id] + 1], t.first_tokens)
         for t in trajectories
-        if done[t.agent_id]
+        if t.agent_id in last
     ]
 
 

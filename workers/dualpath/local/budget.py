@@ -45,12 +45,16 @@ PLAN_SHARE = 0.8
 # The warm-up (a cluster start and every agent's cold first turn) stops at this share of the
 # budget: the agents it has not warmed by then are left out.
 WARMUP_SHARE = 0.5
+# A phase after one cut at its deadline replays that phase's turns; it gets at least this share
+# of the time that phase took, even past the budget (the baseline is the slower policy: a
+# faster one needs less), so a cut never leaves the comparison one-sided.
+CUT_FLOOR_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class Plan:
-    turns: int  # per agent, warm-up turns included (each policy replays them untimed)
-    replayed_turns: int  # over all agents, per policy
+    turns: int  # per agent, warm-up turns included (served once, by the warm-up)
+    replayed_turns: int  # over all agents, warm-up turns included
     trace_turns: int  # what the full trace has
     phase_s: dict[str, float]  # predicted seconds of each policy's phase: start + its turns
     fits: bool  # False: even the smallest run (one measured turn an agent) is predicted over
@@ -68,15 +72,17 @@ def plan_turns(
     warmup_turns: int,
 ) -> Plan:
     """The most turns per agent (each agent's first ones, at least its warm-up plus one) such
-    that every policy's phase (a cluster start of `start_s`, then the agents' turns at
-    `seconds_per_turn[policy]` each) fits in PLAN_SHARE of `left_s` seconds."""
+    that every policy's phase (a cluster start of `start_s`, then the agents' measured turns at
+    `seconds_per_turn[policy]` each; the warm-up turns were served once, before) fits in
+    PLAN_SHARE of `left_s` seconds."""
     longest = max(agent_turns, default=0)
     trace = sum(agent_turns)
     least = min(longest, warmup_turns + 1)
     best: Plan | None = None
     for turns in range(least, longest + 1):
         replayed = sum(min(n, turns) for n in agent_turns)
-        phases = {p: start_s + replayed * s for p, s in seconds_per_turn.items()}
+        measured = sum(max(0, min(n, turns) - warmup_turns) for n in agent_turns)
+        phases = {p: start_s + measured * s for p, s in seconds_per_turn.items()}
         fits = sum(phases.values()) <= PLAN_SHARE * left_s
         if best is None or fits:
             best = Plan(turns, replayed, trace, phases, fits)
