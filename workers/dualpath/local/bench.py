@@ -915,6 +915,7 @@ def run_offline(args: argparse.Namespace) -> int:
     try:
         with log_path.open("w") as sink:
             seed, answered = None, None
+            start_s = budget.DEFAULT_START_S  # a cluster's start, until one is timed
             if args.warmup_turns:
                 warm_end = None
                 if end_s is not None:  # past half the budget, the policies' turns come first
@@ -927,10 +928,11 @@ def run_offline(args: argparse.Namespace) -> int:
                 if left:
                     cut["agents_not_warmed"] = [t.agent_id for t in left]
                     trajectories = [t for t in trajectories if t.agent_id in seed_run.warmed]
-                if end_s is not None and calibration is not None:
-                    trajectories = fit_budget(
-                        args, cfg, calibration, trajectories, policies, seed_run.start_s, end_s, cut
-                    )
+                start_s = seed_run.start_s
+            if end_s is not None and calibration is not None:
+                trajectories = fit_budget(
+                    args, cfg, calibration, trajectories, policies, start_s, end_s, cut
+                )
             predicted = cut.get("predicted_phase_s", {})
             floor_s = 0.0  # after a cut phase: the next ones get at least half its time
             for i, policy in enumerate(policies):

@@ -42,6 +42,8 @@ def capacity(
 # Plan for this share of the seconds left: the prediction is the read-bound ideal (measured
 # within 5% of it on an idle machine), the rest pays for stops and a busier minute.
 PLAN_SHARE = 0.8
+# A local cluster's start (imports, model, readiness) when none was timed (no warm-up run).
+DEFAULT_START_S = 20.0
 # The warm-up (a cluster start and every agent's cold first turn) stops at this share of the
 # budget: the agents it has not warmed by then are left out.
 WARMUP_SHARE = 0.5
