@@ -733,14 +733,19 @@ def table(results: list[PolicyResult], ratio: float | None) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in results:
+        name = r.policy + ("*" if r.cut else "")  # cut short: footnote below
         lines.append(
-            f"{r.policy:<13}{r.tokens_per_s:>9.0f}{r.jct_s:>8.1f}{r.ttft_p50_s:>10.3f}"
+            f"{name:<13}{r.tokens_per_s:>9.0f}{r.jct_s:>8.1f}{r.ttft_p50_s:>10.3f}"
             f"{r.ttft_p99_s:>10.3f}{r.bytes_read.get('prefill', 0) / 1e6:>11.1f}"
             f"{r.bytes_read.get('decode', 0) / 1e6:>11.1f}{r.pooled_snic_util:>11.2f}"
             f"{r.hit_rate:>7.2f}{r.failed:>6d}"
         )
     if ratio is not None:
         lines.append(f"ratio (dualpath / prefill-read tokens/s) = {ratio:.2f}")
+    for r in results:
+        if r.cut:
+            why = "its deadline" if r.cut == "deadline" else "a stop signal"
+            lines.append(f"* {r.policy}: cut short by {why}; the figures of its {r.turns} turns")
     return "\n".join(lines)
 
 
