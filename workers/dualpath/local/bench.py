@@ -946,7 +946,9 @@ def run_offline(args: argparse.Namespace) -> int:
                 if end_s is not None and predicted:
                     rest = {p: predicted[p] for p in policies[i:]}
                     deadline = budget.phase_deadline_s(t_phase, end_s, rest, policy)
-                    deadline = max(deadline, t_phase + floor_s)
+                    # never less than its own prediction (a plan over the budget still runs
+                    # its smallest replay) nor than the floor a cut left it
+                    deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
                 res, turns = run_policy(
                     cfg, policy, trajectories, args, sink, seed, phase(policy), deadline, answered
                 )
