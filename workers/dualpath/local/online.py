@@ -423,7 +423,9 @@ def run(args: argparse.Namespace) -> int:
         # `--warmup-turns` turns run once beforehand, cold, a few sessions at a time (all at once
         # would ask the prefill node for more KV buffer than it has for their cold prefills)
         seed = (
-            bench.seed_storage(cfg, [base[i : i + 8] for i in range(0, len(base), 8)], args, sink)
+            bench.seed_storage(
+                cfg, [base[i : i + 8] for i in range(0, len(base), 8)], args, sink
+            ).path
             if args.warmup_turns
             else None
         )
