@@ -117,5 +117,6 @@ def test_a_stop_signal_leaves_no_process(tmp_path: Path, command: str, sig: int)
     if command == "bench" and sig == signal.SIGINT:  # what it measured so far, as a table
         text = out.read_text()
         assert "interrupted (SIGINT)" in text and "prefill-read" in text, text
-    if command != "up":  # its scratch KV is gone, kept only with --keep
+    if command != "up":  # a stop is an outcome, not a crash; its scratch KV is gone
+        assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
         assert not (tmp_path / "kv").exists() and not (tmp_path / "demo" / "kv").exists()

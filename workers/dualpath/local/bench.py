@@ -461,6 +461,8 @@ async def replay(
             warmed()
 
     every = asyncio.gather(*(agent(tr) for tr in trajectories))
+    # a stop signal cancels the agents under it: their outcome is known, not worth a log line
+    every.add_done_callback(lambda f: f.cancelled() or f.exception())
     if deadline_s is None:
         await every
     else:
