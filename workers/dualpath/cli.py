@@ -1,4 +1,4 @@
-"""`dualpath`: the one entry point of every process and container (DESIGN section 7).
+"""`dualpath`: the one entry point of every process and container (docs/design.md section 7).
 
 Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 the module is imported only when its command runs, so `dualpath worker` never imports kopf
