@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dualpath.local import bench
+    from dualpath.local import bench_cli
 
     out = args.out or tempfile.mkdtemp(prefix="dualpath-demo-")
     print(
@@ -54,11 +54,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     argv = ["--out", out, "--plot", f"{out}/local.png", "--budget-s", str(args.budget_s)]
     argv += ["--kv-dir", f"{out}/kv", "--read-to-compute", str(DEMO_READ_TO_COMPUTE)]
     if args.file:
         argv += ["-f", args.file]
     if args.keep:
         argv.append("--keep")
-    return bench.run(parser.parse_args(argv))
+    return bench_cli.run(parser.parse_args(argv))

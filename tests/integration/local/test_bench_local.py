@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dualpath.local import bench
+from dualpath.local import bench_cli
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ def test_bench_local_runs_both_policies_from_one_seed(tmp_path: Path, capsys, be
         *["--gen-tokens", "2", "--snic-gbps", "1", "--plot", str(tmp_path / "p.png")],
         *["--kv-dir", str(tmp_path / "kv"), "--keep"],
     )
-    assert bench.run(args) == 0
+    assert bench_cli.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["same_greedy_answers"] and doc["ratio"] is not None
     runs = doc["policies"]
@@ -40,7 +40,7 @@ def test_a_budget_bounds_the_replay_and_both_policies_replay_the_same_turns(
         *["--gen-tokens", "2", "--snic-gbps", "0.0005", "--budget-s", "90"],
         *["--kv-dir", str(tmp_path / "kv")],
     )
-    assert bench.run(args) == 0
+    assert bench_cli.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     cut = doc["cut"]
     assert cut["budget_s"] == 90 and cut["trace_turns"] == 4 * 12

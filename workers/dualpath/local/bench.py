@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -37,7 +36,7 @@ import httpx
 
 from dualpath import config
 from dualpath.local import budget
-from dualpath.local.interrupt import Interrupted, interruptible
+from dualpath.local.interrupt import Interrupted
 from dualpath.local.openai_client import stream_completion
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
@@ -228,9 +227,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "removed at the end unless --keep",
     )
     parser.add_argument("--keep", action="store_true", help="keep the KV stores (--kv-dir)")
-    from dualpath.local import online  # its module imports this one
-
-    online.add_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -318,7 +314,7 @@ class Progress:
             sys.stderr.flush()
 
 
-def _pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     s = sorted(xs)
@@ -496,8 +492,8 @@ def summarize(
         tokens_per_s=round((prompt + gen) / elapsed_s, 1) if elapsed_s else 0.0,
         generated_tokens_per_s=round(gen / elapsed_s, 2) if elapsed_s else 0.0,
         jct_s=round(elapsed_s, 3),
-        ttft_p50_s=round(_pct([r.ttft_s for r in ok], 0.5), 4),
-        ttft_p99_s=round(_pct([r.ttft_s for r in ok], 0.99), 4),
+        ttft_p50_s=round(pct([r.ttft_s for r in ok], 0.5), 4),
+        ttft_p99_s=round(pct([r.ttft_s for r in ok], 0.99), 4),
         hit_rate=round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
         bytes_read=bytes_read,
         snic_caps_bytes_per_s=snic_caps_bytes_per_s,
@@ -830,28 +826,6 @@ def trace_spec(args: argparse.Namespace) -> TraceSpec:
 OFFLINE_SIZE = {"agents": 12, "turns": 10}
 
 
-def run(args: argparse.Namespace) -> int:
-    """The bench, its KV scratch directory made and removed around it; SIGINT/SIGTERM stop
-    every cluster process and end it with 128 + the signal."""
-    from dualpath.local import online
-
-    for name, value in (online.ONLINE_SIZE if args.online else OFFLINE_SIZE).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    made = args.kv_dir is None
-    if made:
-        args.kv_dir = tempfile.mkdtemp(prefix="dualpath-kv-")
-    try:
-        with interruptible():
-            return online.run(args) if args.online else run_offline(args)
-    except Interrupted as stop:
-        if not stop.reported:
-            print(f"interrupted ({signal_name(stop.signum)})", file=sys.stderr)
-        return stop.exit_code
-    finally:
-        remove_scratch(Path(args.kv_dir), made, args.keep)
-
-
 def signal_name(signum: int) -> str:
     import signal
 
@@ -872,7 +846,12 @@ def remove_scratch(kv_dir: Path, made: bool, keep: bool) -> None:
 PHASES = ("calibrate", "warm-up")  # then one phase per policy
 
 
-def run_offline(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """The offline replay (`bench_cli.run` picks it or the online sweep, makes the KV scratch
+    directory and stops on signals)."""
+    for name, value in OFFLINE_SIZE.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     t_start = time.monotonic()
     end_s = None if args.budget_s is None else t_start + args.budget_s

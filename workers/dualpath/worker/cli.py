@@ -11,6 +11,7 @@ import socket
 from dualpath import config
 from dualpath.grpc_auth import add_token_argument
 from dualpath.grpc_auth import load as load_token
+from dualpath.log import name_process
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = config.load_or_default(args.file)
     role = config.Role(args.role)
     node_id = args.node_id or os.environ.get("POD_NAME") or f"{role.value}-{args.index}"
+    name_process(f"{role.value}:{node_id}")  # ps, pgrep and the log lines tell the roles apart
     opts = NodeOptions(
         role=role,
         node_id=node_id,
