@@ -26,7 +26,7 @@ venv: $(STAMP) ## create .venv and install everything (CPU torch first)
 proto: $(STAMP) ## regenerate gRPC stubs from proto/
 	$(BIN)/python -m dualpath.protogen
 
-demo: $(STAMP) ## run the main job on the embedded local default
+demo: $(STAMP) ## the main job: prefill-read vs dualpath on a local cluster, at most ~5 min (output in a temp dir)
 	$(BIN)/dualpath demo
 
 test: $(STAMP) ## run the test suite

@@ -1,4 +1,4 @@
-"""`dualpath`: the one entry point of every process and container (DESIGN section 7).
+"""`dualpath`: the one entry point of every process and container (docs/design.md section 7).
 
 Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 the module is imported only when its command runs, so `dualpath worker` never imports kopf
@@ -11,12 +11,14 @@ the operator").
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 from dualpath import __version__
+from dualpath.lifeline import die_with_parent
 from dualpath.log import setup_logging
 
 
@@ -192,6 +194,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    die_with_parent()  # started by a local supervisor: end with it (no-op otherwise)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     command: Command | None = getattr(args, "_command", None)
@@ -201,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         return int(command.load().run(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as stop:  # 128 + the signal, as a shell reports it
+        return 128 + int(getattr(stop, "signum", signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -548,7 +548,7 @@ class TrafficClassSpec(_Model):
 
 
 class QosSpec(_Model):
-    """IB QoS of DESIGN section 5: model traffic high priority, KV traffic low priority."""
+    """IB QoS of docs/design.md section 5: model traffic high priority, KV traffic low priority."""
 
     enabled: bool = True
     """Separate model and KV traffic by service level and virtual lane."""

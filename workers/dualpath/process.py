@@ -1,4 +1,4 @@
-"""The command, arguments and environment of every DualPath process (DESIGN section 7).
+"""The command, arguments and environment of every DualPath process (docs/design.md section 7).
 
 `process_command(cfg, component, placement)` is the one place that turns the config into what a
 process runs. The operator's pod builders call it with a pod's placement (the config file in
@@ -7,7 +7,7 @@ point) and `dualpath up` with a local one (its `cluster.yaml`, 127.0.0.1 and fre
 directory for the volume), so the local cluster runs what the operator deploys.
 
 What differs is where a process runs, never what it runs: a pod adds the downward-API variables
-(POD_NAME, POD_IP) and the fabric's QoS variables (DESIGN section 5); the local cluster runs the
+(POD_NAME, POD_IP) and the fabric's QoS variables (docs/design.md section 5); the local cluster runs the
 entry point as `python -m dualpath.cli` and adds `--log-level` and OMP_NUM_THREADS=1.
 Worker knobs (timeouts, drain, KV cache size) are read by the worker from `spec.workers`, so they
 are not arguments: the rendered config carries them to pods and local processes alike.
@@ -36,7 +36,7 @@ class Component(str, Enum):
 
 
 # The processes that read or write KV blocks and so mount the storage volume: workers read the
-# hit blocks (either path) and write each turn's new blocks (DESIGN sections 2 and 3). The
+# hit blocks (either path) and write each turn's new blocks (docs/design.md sections 2 and 3). The
 # frontend and the scheduler learn hits from the scheduler's block index, never from storage.
 STORAGE_USERS = frozenset({Component.PREFILL, Component.DECODE})
 

@@ -1,4 +1,4 @@
-"""IB QoS of DESIGN section 5: per-traffic-class pod environment and the SM policy ConfigMap."""
+"""IB QoS of docs/design.md section 5: per-traffic-class pod environment and the SM policy ConfigMap."""
 
 from __future__ import annotations
 

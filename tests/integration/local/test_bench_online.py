@@ -35,7 +35,7 @@ def _run(tmp_path: Path, capsys, bench_args, *extra: str) -> dict:
     args = bench_args(
         *["--online", "--agents", "3", "--turns", "2", "--think-s", "0.1", "--point-s", "0.75"],
         *["--first-tokens", "96", "--append-tokens", "8", "--gen-tokens", "3"],
-        *["--plot", str(tmp_path / "p.png"), *extra],
+        *["--plot", str(tmp_path / "p.png"), "--kv-dir", str(tmp_path / "kv"), "--keep", *extra],
     )
     assert bench_cli.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -51,7 +51,7 @@ def _run(tmp_path: Path, capsys, bench_args, *extra: str) -> dict:
         assert doc["bracket"][policy]["met"] == met == (doc["sustained_rate_per_s"][policy] or None)
     assert (tmp_path / "p.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "online.json").read_text())["sla_s"] == doc["sla_s"]
-    assert (tmp_path / "out" / "seed-kv" / "blocks").is_dir()  # agents arrive with stored context
+    assert (tmp_path / "kv" / "seed-kv" / "blocks").is_dir()  # agents arrive with stored context
     return doc
 
 

@@ -1,4 +1,4 @@
-"""Config hashes: prefill and decode of different versions never pair (DESIGN section 9)."""
+"""Config hashes: prefill and decode of different versions never pair (docs/design.md section 9)."""
 
 import logging
 

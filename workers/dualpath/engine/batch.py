@@ -1,5 +1,5 @@
 """The layer-wise prefill forward, over one request (`PrefillRun`) or several
-(`BatchPrefillRun`, DESIGN section 4, intra-node batching): a request alone is a batch of one,
+(`BatchPrefillRun`, docs/design.md section 4, intra-node batching): a request alone is a batch of one,
 so both run this one forward and its one per-request layer step (`BatchPrefillRun._pull`).
 
 The forward runs on the engine's compute thread as one job for as long as the hit KV is there

@@ -1,4 +1,4 @@
-"""Paged KV cache and continuous-batching decode (DESIGN section 3, step 5).
+"""Paged KV cache and continuous-batching decode (docs/design.md section 3, step 5).
 
 The cache is a pool of pages per layer, K and V each (pages, page_tokens, kv_heads, head_dim);
 a sequence owns a block table (list of page indices). `DecodeBatch.step()` runs one token for

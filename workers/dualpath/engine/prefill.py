@@ -1,4 +1,4 @@
-"""What a layer-wise prefill reads (DESIGN section 3, step 3): per-layer sources of hit KV.
+"""What a layer-wise prefill reads (docs/design.md section 3, step 3): per-layer sources of hit KV.
 
 The forward itself is `engine/batch.py` (`PrefillRun` is a batch of one). It runs on the
 engine's compute thread while the asyncio loop keeps receiving hit KV: layer `l+1` arrives

@@ -3,7 +3,7 @@
 
 The frontend never touches storage: it sends the keys of the prompt's block ids (the kv
 module's `block_ids` over the session's full token history) and the scheduler answers with the
-hit its block index found (DESIGN section 3), which the decode worker then verifies as it loads.
+hit its block index found (docs/design.md section 3), which the decode worker then verifies as it loads.
 """
 
 from __future__ import annotations

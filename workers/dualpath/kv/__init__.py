@@ -1,4 +1,4 @@
-"""The KV block store (DESIGN section 2): block ids, block format, store, per-node read queue.
+"""The KV block store (docs/design.md section 2): block ids, block format, store, per-node read queue.
 
 from dualpath.kv import KVStore, ReadQueue, block_ids
 store = KVStore(root, model, capacity_bytes=64 << 30)       # backend "auto" | "nixl" | "preadv"

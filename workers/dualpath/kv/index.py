@@ -1,5 +1,5 @@
 """The store's index of the blocks in its directory: an LRU of ids and sizes, the bytes used,
-and eviction beyond `capacity_bytes` (DESIGN section 2).
+and eviction beyond `capacity_bytes` (docs/design.md section 2).
 
 Rebuilt on start from the directory's mtimes (oldest first), so recency survives a restart:
 lookups and reads refresh a block's mtime (`touch`). Several processes may share a directory:

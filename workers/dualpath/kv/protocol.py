@@ -1,4 +1,4 @@
-"""The block store contract the read queue and the workers use (DESIGN section 2).
+"""The block store contract the read queue and the workers use (docs/design.md section 2).
 
 Two implementations keep it: `kv.store.KVStore` (block files in a POSIX directory, read through
 NIXL's POSIX backend or preadv) and `kv.memory.MemoryStore` (blocks in memory, for tests of the

@@ -1,4 +1,4 @@
-"""The per-node read queue in front of the store (a node's storage NIC, DESIGN section 2).
+"""The per-node read queue in front of the store (a node's storage NIC, docs/design.md section 2).
 
 `ReadQueue.submit(hit_ids)` returns a `LayerReadHandle`, the per-layer KV source of the team
 contract: `await handle.layer(l) -> (K, V)`, each (hit_tokens, heads, dim). Behind it the

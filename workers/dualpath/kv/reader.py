@@ -1,4 +1,4 @@
-"""Block reads and their verification (DESIGN section 2).
+"""Block reads and their verification (docs/design.md section 2).
 
 A run of blocks is opened first (`open_run`): each block's path is stat'ed, its fd reused from
 the open-file cache (`kv/files.py`) while the path still names the inode it was opened on, and

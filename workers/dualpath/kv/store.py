@@ -1,4 +1,4 @@
-"""The KV block store: content-addressed blocks in a POSIX directory (DESIGN section 2).
+"""The KV block store: content-addressed blocks in a POSIX directory (docs/design.md section 2).
 
 Files live at `<root>/blocks/<id[:2]>/<id>`. `KVStore` is the store's one public face; each
 job lives in its own module and the store wires them to one directory, one layout, one lock:

@@ -1,4 +1,4 @@
-"""Block writes (DESIGN section 2): checked, checksummed, atomic, indexed and announced.
+"""Block writes (docs/design.md section 2): checked, checksummed, atomic, indexed and announced.
 
 A block goes to `<root>/tmp/` first and is renamed into place after fsync (`durable`), so a
 reader sees a whole block or none. Room is made first (capacity); a write that finds the disk

@@ -6,6 +6,12 @@ turn's prefix is the previous turns' blocks). Printed per policy: tokens/s, job 
 time, TTFT p50/p99, bytes read per path (prefill-node vs decode-node SNICs, from the workers'
 `dualpath_kv_read_bytes_total`), pooled SNIC utilisation = bytes read by all SNICs /
 (sum of SNIC caps x elapsed); and `ratio` = dualpath / prefill-read throughput.
+
+`--budget-s S` bounds the run's wall time (`dualpath demo` sets it): the replayed turns are cut
+to what the calibrated predictions fit in it, each policy's phase has a deadline, and the JSON's
+`cut` says what was left out (`local/budget.py`). The KV stores are scratch data in a temporary
+directory (`--kv-dir`), removed at the end unless `--keep`. SIGINT or SIGTERM stops every
+cluster process and prints the figures measured so far (`local/interrupt.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import shutil
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +35,8 @@ from typing import Any
 import httpx
 
 from dualpath import config
+from dualpath.local import budget
+from dualpath.local.interrupt import Interrupted
 from dualpath.local.openai_client import stream_completion
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
@@ -38,6 +48,10 @@ POLICIES = ("prefill-read", "dualpath")
 # compute, as with hundreds of GB of KV per second of GPU prefill behind a 400 Gbps SNIC. A fixed
 # cap in Gbps would not: the CPU model's compute speed differs from one machine to the next.
 READ_TO_COMPUTE = 4.0
+# The calibration's prefills: up to `samples`, at least MIN_SAMPLES, no new one past
+# CALIBRATE_S seconds of them (on a machine at load 13 one took 1.4 s, so 7 took 10 s).
+MIN_SAMPLES = 3
+CALIBRATE_S = 4.0
 
 
 def auto_or_number(what: str, positive: bool = False) -> Callable[[str], float | str]:
@@ -115,12 +129,18 @@ def calibrate_snic(
 
     async def timed() -> list[float]:
         await measure_one(engine, hit, new, 1)  # warm-up
-        return [await measure_one(engine, hit, new, 1) for _ in range(samples)]
+        times: list[float] = []
+        spent = 0.0  # a busy machine makes each sample slow: stop at a few seconds' worth
+        while len(times) < samples and (len(times) < MIN_SAMPLES or spent < CALIBRATE_S):
+            times.append(await measure_one(engine, hit, new, 1))
+            spent += times[-1]
+        return times
 
     with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
-        prefill_s = statistics.median(asyncio.run(timed()))
+        times = asyncio.run(timed())
+    prefill_s = statistics.median(times)
     gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
-    cal = SnicCalibration(hit, new, hit_bytes, prefill_s, samples, read_to_compute, gbps)
+    cal = SnicCalibration(hit, new, hit_bytes, prefill_s, len(times), read_to_compute, gbps)
     log.info(
         "SNIC cap %.3f Gbps: the median turn (%d hit + %d new tokens) prefills in %.3f s here, "
         "its %.1f MB hit reads in %.1fx that",
@@ -192,6 +212,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first --turns turns, lengths scaled by one factor to fit --context",
     )
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="bound the run to about this many seconds: replay only the first turns of each "
+        "agent that the calibrated predictions fit, with a deadline per phase (the JSON's "
+        "`cut` says what was left out; default: the whole trace, however long it takes)",
+    )
+    parser.add_argument(
+        "--kv-dir",
+        default=None,
+        help="scratch directory of the KV stores (default: a new temporary directory); "
+        "removed at the end unless --keep",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the KV stores (--kv-dir)")
 
 
 @dataclass(slots=True)
@@ -207,6 +242,7 @@ class TurnResult:
     ok: bool = True
     error: str = ""
     warmup: bool = False
+    end_s: float = 0.0  # time.perf_counter() when it ended
 
 
 @dataclass
@@ -225,14 +261,35 @@ class PolicyResult:
     snic_caps_bytes_per_s: float
     pooled_snic_util: float
     turns_by_path: dict[str, int] = field(default_factory=dict)
+    # "": ran every planned turn; "deadline": cut at its phase's deadline (--budget-s);
+    # "interrupted": SIGINT/SIGTERM, the figures of the turns done so far
+    cut: str = ""
 
 
 class Progress:
-    """A one-line progress bar on stderr (`\\r`-redrawn), silent when disabled."""
+    """A one-line progress bar on stderr (`\\r`-redrawn), silent when disabled: the phase
+    (`phase` of the run's phases), turns done, elapsed seconds and an ETA from the pace so far
+    (never past `deadline_s`, a time.monotonic() the phase stops at)."""
 
-    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        enabled: bool = True,
+        phase: str = "",
+        deadline_s: float | None = None,
+    ) -> None:
         self.total, self.label, self.done, self.enabled = total, label, 0, enabled
+        self.phase, self.deadline_s = phase, deadline_s
         self.t0 = time.perf_counter()
+
+    def eta_s(self) -> float | None:
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done) if self.done else None
+        if self.deadline_s is not None:
+            left = max(0.0, self.deadline_s - time.monotonic())
+            eta = left if eta is None else min(eta, left)
+        return eta
 
     def step(self, n: int = 1) -> None:
         self.done += n
@@ -240,13 +297,21 @@ class Progress:
             return
         frac = self.done / max(1, self.total)
         bar = "#" * int(30 * frac)
+        eta = self.eta_s()
+        phase = f"[{self.phase}] " if self.phase else ""
         sys.stderr.write(
-            f"\r{self.label:<13} [{bar:<30}] {self.done}/{self.total} turns "
-            f"{time.perf_counter() - self.t0:6.1f}s"
+            f"\r{phase}{self.label:<13} [{bar:<30}] {self.done}/{self.total} turns "
+            f"{time.perf_counter() - self.t0:6.1f}s, ETA {'?' if eta is None else f'{eta:.0f}s'}  "
         )
         if self.done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+    def close(self) -> None:
+        """End the line of a phase that stopped short of its total (a deadline, a signal)."""
+        if self.enabled and 0 < self.done < self.total:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -272,6 +337,9 @@ async def replay(
     warmup_turns: int = 0,
     on_warm: Callable[[], None] | None = None,
     context_of: dict[str, str] | None = None,
+    results: list[TurnResult] | None = None,
+    deadline_s: float | None = None,
+    answered: dict[tuple[str, int], list[int]] | None = None,
 ) -> list[TurnResult]:
     """Replay every agent concurrently; each agent's turns run one after another.
 
@@ -280,8 +348,14 @@ async def replay(
     finished them, `on_warm()` is called (start timers, snapshot counters) and the rest run.
     `context_of` maps an agent to another agent id whose first tokens it starts from (a context
     stored beforehand; online mode); its appended tokens stay its own.
+    Turns are appended to `results` as they end (pass a list to keep what ended when the replay
+    is cancelled or interrupted). At `deadline_s` (time.monotonic()) no turn starts any more and
+    the turns in flight are cancelled (not counted). A turn in `answered` ((agent, turn) ->
+    its greedy answer, e.g. from the warm-up's cluster) is not sent: its answer extends the
+    history as if it had been (the same tokens: greedy answers do not depend on the cluster).
     """
-    results: list[TurnResult] = []
+    results = [] if results is None else results
+    answered = answered or {}
     warm_left = len(trajectories) if warmup_turns else 0
     warm = asyncio.Event()
     if not warm_left:
@@ -303,16 +377,23 @@ async def replay(
         history = _tokens(random.Random(f"{seed}:{ctx}") if ctx else rng, tr.first_tokens, vocab)
         sid = f"bench-{seed}-{tr.agent_id}"
         for i, turn in enumerate(tr.turns):
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                if warmup_turns and i <= warmup_turns:
+                    warmed()  # never block the others' barrier
+                return
             if warmup_turns and i == warmup_turns:
                 warmed()
                 await warm.wait()
-            if i and think_scale > 0 and turn.think_s > 0:
-                await asyncio.sleep(turn.think_s * think_scale)
             if turn.prompt_tokens >= 0:  # recorded (--trace): keep its hit, fill to its prompt
                 keep = min(len(history), turn.hit(len(history), turn.prompt_tokens))
                 history = history[:keep] + _tokens(rng, turn.prompt_tokens - keep, vocab)
             else:
                 history += _tokens(rng, turn.append_tokens, vocab)
+            if (tr.agent_id, i) in answered:  # served before (the warm-up): its answer, no turn
+                history += answered[(tr.agent_id, i)]
+                continue
+            if i and think_scale > 0 and turn.think_s > 0:
+                await asyncio.sleep(turn.think_s * think_scale)
             body = {
                 "model": model,
                 "prompt": history,
@@ -346,6 +427,7 @@ async def replay(
                         False,
                         err or "no final or usage chunk",
                         warmup=i < warmup_turns,
+                        end_s=time.perf_counter(),
                     )
                 )
                 if progress:
@@ -365,6 +447,7 @@ async def replay(
                     ttft if ttft is not None else lat,
                     lat,
                     warmup=i < warmup_turns,
+                    end_s=time.perf_counter(),
                 )
             )
             history += gen
@@ -373,7 +456,16 @@ async def replay(
         if warmup_turns and len(tr.turns) <= warmup_turns:
             warmed()
 
-    await asyncio.gather(*(agent(tr) for tr in trajectories))
+    every = asyncio.gather(*(agent(tr) for tr in trajectories))
+    # a stop signal cancels the agents under it: their outcome is known, not worth a log line
+    every.add_done_callback(lambda f: f.cancelled() or f.exception())
+    if deadline_s is None:
+        await every
+    else:
+        try:
+            await asyncio.wait_for(every, max(0.0, deadline_s - time.monotonic()))
+        except TimeoutError:
+            pass  # the turns in flight were cancelled; the ended ones are in `results`
     return results
 
 
@@ -440,6 +532,9 @@ def replay_on(
     progress: Progress,
     warmup_turns: int | None = None,
     on_warm: Callable[[], None] | None = None,
+    results: list[TurnResult] | None = None,
+    deadline_s: float | None = None,
+    answered: dict[tuple[str, int], list[int]] | None = None,
 ) -> list[TurnResult]:
     """`replay` against a running cluster's frontend, one connection per agent."""
 
@@ -456,9 +551,32 @@ def replay_on(
                 progress,
                 warmup_turns=args.warmup_turns if warmup_turns is None else warmup_turns,
                 on_warm=on_warm,
+                results=results,
+                deadline_s=deadline_s,
+                answered=answered,
             )
 
-    return asyncio.run(go())
+    try:
+        return asyncio.run(go())
+    finally:
+        progress.close()
+
+
+@dataclass
+class Seed:
+    """The warm-up's stored contexts: every policy's run starts from a copy of `path`."""
+
+    path: Path
+    warmed: set[str]  # agents whose warm-up turns all ended (the others are left out)
+    start_s: float  # how long its cluster took to start (a policy's cluster takes about as long)
+    # the warm-up turns' greedy answers: the policies' runs extend their histories with them
+    # instead of sending those turns again
+    answers: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+
+
+def kv_root(args: argparse.Namespace) -> Path:
+    """Where the KV stores live (`--kv-dir`: absolute, as spec.storage.path must be)."""
+    return Path(args.kv_dir or Path(args.out) / "kv-scratch").resolve()
 
 
 def seed_storage(
@@ -466,29 +584,49 @@ def seed_storage(
     groups: list[list[Trajectory]],
     args: argparse.Namespace,
     sink,
-) -> Path:
+    phase: str = "",
+    deadline_s: float | None = None,
+) -> Seed:
     """Run every agent's warm-up turns once (cold: their context is computed, then stored) and
     return that storage directory; each policy's run starts from a copy of it. The groups warm
     up one after another (online mode: one rate point's agents at a time; all of them at once
-    would ask the prefill node for more KV buffer than it has for their cold prefills)."""
+    would ask the prefill node for more KV buffer than it has for their cold prefills). At
+    `deadline_s` the warm-up stops: the agents it did not finish are left out (`Seed.warmed`)."""
     from dualpath.local.cluster import LocalCluster, with_overrides
 
-    seed = Path(args.out).resolve() / "seed-kv"  # storage.path is absolute
+    seed = kv_root(args) / "seed-kv"
     scfg = with_overrides(cfg, **{"storage.path": str(seed)})
+    t0 = time.monotonic()
+    warmed: set[str] = set()
+    answers: dict[tuple[str, int], list[int]] = {}
     with LocalCluster(
         scfg, Path(args.out) / "seed", sink=sink, fresh_storage=True, log_level="WARNING"
     ) as cluster:
+        start_s = time.monotonic() - t0
         for trajectories in groups:
             head = [
                 Trajectory(t.agent_id, t.turns[: args.warmup_turns], t.first_tokens)
                 for t in trajectories
             ]
-            prog = Progress(sum(len(t.turns) for t in head), "warm-up", enabled=True)
-            results = replay_on(cluster.endpoints.frontend, scfg, head, args, prog, warmup_turns=0)
+            prog = Progress(
+                sum(len(t.turns) for t in head), "warm-up", phase=phase, deadline_s=deadline_s
+            )
+            results = replay_on(
+                cluster.endpoints.frontend,
+                scfg,
+                head,
+                args,
+                prog,
+                warmup_turns=0,
+                deadline_s=deadline_s,
+            )
             failed = [r for r in results if not r.ok]
             if failed:
                 raise RuntimeError(f"warm-up failed for {len(failed)} turns: {failed[0].error}")
-    return seed
+            done = Counter(r.agent for r in results)
+            warmed |= {t.agent_id for t in head if done[t.agent_id] == len(t.turns)}
+            answers.update({(r.agent, r.turn): r.generated for r in results})
+    return Seed(seed, warmed, start_s, answers)
 
 
 def policy_config(
@@ -507,6 +645,14 @@ def policy_config(
     return pcfg
 
 
+class PolicyInterrupted(Interrupted):
+    """A stop signal during a policy's run, with the figures of the turns done so far."""
+
+    def __init__(self, signum: int, partial: PolicyResult | None, turns: list[TurnResult]):
+        super().__init__(signum)
+        self.partial, self.turns = partial, turns
+
+
 def run_policy(
     cfg: config.ClusterConfig,
     policy: str,
@@ -514,30 +660,68 @@ def run_policy(
     args: argparse.Namespace,
     sink,
     seed: Path | None = None,
+    phase: str = "",
+    deadline_s: float | None = None,
+    answered: dict[tuple[str, int], list[int]] | None = None,
 ) -> tuple[PolicyResult, list[TurnResult]]:
+    """One policy's cluster replays `trajectories`: the figures from its first measured turn
+    (after every agent's warm-up) to its last ended one. At `deadline_s` (time.monotonic()) no
+    turn starts any more (`PolicyResult.cut`); on SIGINT/SIGTERM raises `PolicyInterrupted`
+    with the figures so far. The warm-up turns in `answered` are not sent again."""
     from dualpath.local.cluster import LocalCluster
 
     pcfg = policy_config(cfg, policy, seed)
     run_dir = Path(args.out) / policy
+    nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
+    caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
+    results: list[TurnResult] = []
+    answered = answered or {}
+    total = sum(
+        1 for t in trajectories for i in range(len(t.turns)) if (t.agent_id, i) not in answered
+    )
     with LocalCluster(pcfg, run_dir, sink=sink, log_level="WARNING") as cluster:
-        total = sum(len(t.turns) for t in trajectories)
-        prog = Progress(total, policy, enabled=True)
+        prog = Progress(total, policy, phase=phase, deadline_s=deadline_s)
         mark: dict[str, Any] = {}
 
         def on_warm() -> None:  # the steady state starts: counters and clock from here
             mark["before"] = _bytes_by_path(cluster.endpoints.workers)
             mark["t0"] = time.perf_counter()
 
-        results = replay_on(
-            cluster.endpoints.frontend, pcfg, trajectories, args, prog, on_warm=on_warm
-        )
-        elapsed = time.perf_counter() - mark["t0"]
-        after = _bytes_by_path(cluster.endpoints.workers)
-        before = mark["before"]
-    nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
-    caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
-    read = {k: after[k] - before[k] for k in after}
-    return summarize(policy, results, elapsed, read, caps), results
+        def figures(cut: str) -> PolicyResult | None:
+            if "t0" not in mark:
+                return None  # still warming up: nothing measured
+            ends = [r.end_s for r in results if r.ok and not r.warmup]
+            elapsed = (max(ends) if ends else time.perf_counter()) - mark["t0"]
+            after = _bytes_by_path(cluster.endpoints.workers)
+            read = {k: after[k] - mark["before"][k] for k in after}
+            res = summarize(policy, results, elapsed, read, caps)
+            res.cut = cut
+            return res
+
+        try:
+            replay_on(
+                cluster.endpoints.frontend,
+                pcfg,
+                trajectories,
+                args,
+                prog,
+                on_warm=on_warm,
+                results=results,
+                deadline_s=deadline_s,
+                answered=answered,
+            )
+        except Interrupted as stop:
+            try:
+                partial = figures("interrupted")
+            except OSError:  # a worker already gone: no byte counts
+                partial = None
+            raise PolicyInterrupted(stop.signum, partial, list(results)) from None
+        late = deadline_s is not None and time.monotonic() >= deadline_s
+        res = figures("deadline" if late and len(results) < total else "")
+        if res is None:  # the deadline fell in the warm-up: nothing was measured
+            res = summarize(policy, [], 0.0, {"prefill": 0, "decode": 0}, caps)
+            res.cut = "deadline"
+    return res, results
 
 
 def table(results: list[PolicyResult], ratio: float | None) -> str:
@@ -547,14 +731,19 @@ def table(results: list[PolicyResult], ratio: float | None) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in results:
+        name = r.policy + ("*" if r.cut else "")  # cut short: footnote below
         lines.append(
-            f"{r.policy:<13}{r.tokens_per_s:>9.0f}{r.jct_s:>8.1f}{r.ttft_p50_s:>10.3f}"
+            f"{name:<13}{r.tokens_per_s:>9.0f}{r.jct_s:>8.1f}{r.ttft_p50_s:>10.3f}"
             f"{r.ttft_p99_s:>10.3f}{r.bytes_read.get('prefill', 0) / 1e6:>11.1f}"
             f"{r.bytes_read.get('decode', 0) / 1e6:>11.1f}{r.pooled_snic_util:>11.2f}"
             f"{r.hit_rate:>7.2f}{r.failed:>6d}"
         )
     if ratio is not None:
         lines.append(f"ratio (dualpath / prefill-read tokens/s) = {ratio:.2f}")
+    for r in results:
+        if r.cut:
+            why = "its deadline" if r.cut == "deadline" else "a stop signal"
+            lines.append(f"* {r.policy}: cut short by {why}; the figures of its {r.turns} turns")
     return "\n".join(lines)
 
 
@@ -592,7 +781,7 @@ def base_config(args: argparse.Namespace, snic_gbps: float | None = None) -> con
     over: dict[str, Any] = {
         "prefill.replicas": args.prefill,
         "decode.replicas": args.decode,
-        "storage.path": str(Path(args.out).resolve() / "kv"),  # absolute, as the model asks
+        "storage.path": str(kv_root(args) / "kv"),
     }
     if snic_gbps is None and isinstance(args.snic_gbps, float):
         snic_gbps = args.snic_gbps
@@ -637,12 +826,35 @@ def trace_spec(args: argparse.Namespace) -> TraceSpec:
 OFFLINE_SIZE = {"agents": 12, "turns": 10}
 
 
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def remove_scratch(kv_dir: Path, made: bool, keep: bool) -> None:
+    """Remove the KV stores (the whole directory when the bench made it) unless `keep`."""
+    if keep:
+        print(f"KV stores kept in {kv_dir}", file=sys.stderr)
+        return
+    for d in [kv_dir] if made else [kv_dir / "seed-kv", kv_dir / "kv"]:
+        shutil.rmtree(d, ignore_errors=True)
+    if kv_dir.is_dir() and not any(kv_dir.iterdir()):
+        kv_dir.rmdir()
+
+
+PHASES = ("calibrate", "warm-up")  # then one phase per policy
+
+
 def run(args: argparse.Namespace) -> int:
-    """The offline replay (`bench_cli.run` picks it or the online sweep and sizes them)."""
+    """The offline replay (`bench_cli.run` picks it or the online sweep, makes the KV scratch
+    directory and stops on signals)."""
     for name, value in OFFLINE_SIZE.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    t_start = time.monotonic()
+    end_s = None if args.budget_s is None else t_start + args.budget_s
     spec = trace_spec(args)
     trajectories = generate(spec)
     if args.trace:
@@ -651,8 +863,28 @@ def run(args: argparse.Namespace) -> int:
         trajectories = scale_to_context(
             load_jsonl(args.trace), args.context, args.agents, args.turns
         )
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    phases = [*PHASES, *policies]
+
+    def phase(name: str) -> str:
+        return f"{phases.index(name) + 1}/{len(phases)} {name}"
+
+    trace_turns = sum(len(t.turns) for t in trajectories)
+    bound = f"at most about {args.budget_s:.0f} s" if end_s else "unbounded (no --budget-s)"
+    print(
+        f"bench local: {len(trajectories)} agents, {trace_turns} turns; phases: "
+        f"{', '.join(phases)}; {bound}; KV stores in {args.kv_dir} "
+        f"({'kept' if args.keep else 'removed at the end; --keep keeps them'})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
+        print(f"[{phase('calibrate')}] timing a turn's prefill here ...", file=sys.stderr)
         cfg, calibration = bench_config(args, trajectories)
+        if calibration is None and end_s is not None:  # a fixed cap: time the prefill to plan
+            calibration = calibrate_snic(
+                base_config(args), trajectories, args.warmup_turns, args.read_to_compute
+            )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -660,23 +892,194 @@ def run(args: argparse.Namespace) -> int:
     log_path = Path(args.log_file or Path(args.out) / "cluster.log")
     out: list[PolicyResult] = []
     answers: dict[str, dict[tuple[str, int], list[int]]] = {}
-    with log_path.open("w") as sink:
-        seed = seed_storage(cfg, [trajectories], args, sink) if args.warmup_turns else None
-        for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            res, turns = run_policy(cfg, policy, trajectories, args, sink, seed)
-            out.append(res)
-            answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
+    cut: dict[str, Any] = {"budget_s": args.budget_s, "trace_turns": trace_turns}
+    interrupted: PolicyInterrupted | Interrupted | None = None
+
+    def doc_now() -> dict[str, Any]:
+        return result_doc(args, cfg, calibration, spec, out, answers, cut, t_start, interrupted)
+
+    try:
+        with log_path.open("w") as sink:
+            seed, answered = None, None
+            start_s = budget.DEFAULT_START_S  # a cluster's start, until one is timed
+            if args.warmup_turns:
+                warm_end = None
+                if end_s is not None:  # past half the budget, the policies' turns come first
+                    warm_end = t_start + budget.WARMUP_SHARE * args.budget_s
+                seed_run = seed_storage(
+                    cfg, [trajectories], args, sink, phase("warm-up"), deadline_s=warm_end
+                )
+                seed, answered = seed_run.path, seed_run.answers
+                left = [t for t in trajectories if t.agent_id not in seed_run.warmed]
+                if left:
+                    cut["agents_not_warmed"] = [t.agent_id for t in left]
+                    trajectories = [t for t in trajectories if t.agent_id in seed_run.warmed]
+                start_s = seed_run.start_s
+            if end_s is not None and calibration is not None:
+                trajectories = fit_budget(
+                    args, cfg, calibration, trajectories, policies, start_s, end_s, cut
+                )
+            predicted = cut.get("predicted_phase_s", {})
+            floor_s = 0.0  # after a cut phase: the next ones get at least half its time
+            for i, policy in enumerate(policies):
+                deadline = None
+                t_phase = time.monotonic()
+                if end_s is not None and predicted:
+                    rest = {p: predicted[p] for p in policies[i:]}
+                    deadline = budget.phase_deadline_s(t_phase, end_s, rest, policy)
+                    # never less than its own prediction (a plan over the budget still runs
+                    # its smallest replay) nor than the floor a cut left it
+                    deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
+                res, turns = run_policy(
+                    cfg, policy, trajectories, args, sink, seed, phase(policy), deadline, answered
+                )
+                out.append(res)
+                answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
+                if res.cut:  # the next policies replay what this one did, no more
+                    cut.setdefault("deadline", {})[policy] = len(turns)
+                    trajectories = completed_only(trajectories, turns)
+                    # the same turns, in (a fraction of) the time this one had: a fair chance
+                    floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
+    except PolicyInterrupted as stop:
+        interrupted = stop
+        if stop.partial is not None:
+            out.append(stop.partial)
+            answers[stop.partial.policy] = {(t.agent, t.turn): t.generated for t in stop.turns}
+    except Interrupted as stop:
+        interrupted = stop
+    doc = doc_now()
+    (Path(args.out) / "result.json").write_text(json.dumps(doc, indent=2))
+    if args.plot and out:
+        plot(out, args.plot)
+    if args.json:
+        print(json.dumps(doc))
+    else:  # for a person: the table, and where the details went
+        if interrupted is not None:
+            print(
+                f"interrupted ({signal_name(interrupted.signum)}) after "
+                f"{time.monotonic() - t_start:.0f} s: the figures measured so far"
+                + ("" if out else " (none: no policy had started its measured turns)")
+            )
+        if out:
+            print(table(out, doc["ratio"]))
+        print(
+            f"same greedy answers across policies: {doc['same_greedy_answers']} "
+            f"({doc['compared_turns']} turns compared)"
+        )
+        if cut.get("left_out_turns") or cut.get("deadline") or cut.get("agents_not_warmed"):
+            print(f"cut to fit --budget-s {args.budget_s:.0f}: {describe_cut(cut)}")
+        print(
+            f"JSON: {Path(args.out) / 'result.json'}"
+            + (f", plot: {args.plot}" if args.plot and out else "")
+            + f"; {time.monotonic() - t_start:.0f} s in all"
+        )
+    if interrupted is not None:
+        interrupted.reported = True
+        raise interrupted  # the caller stops with 128 + the signal
+    return 0 if all(r.failed == 0 for r in out) else 1
+
+
+def fit_budget(
+    args: argparse.Namespace,
+    cfg: config.ClusterConfig,
+    calibration: SnicCalibration,
+    trajectories: list[Trajectory],
+    policies: list[str],
+    start_s: float,
+    end_s: float,
+    cut: dict[str, Any],
+) -> list[Trajectory]:
+    """The agents' first turns that every policy's predicted phase fits in the time left."""
+    read_s = calibration.hit_bytes / gbps_to_bytes_per_s(cfg.spec.storage.snic_gbps)
+    per_turn = {
+        p: 1
+        / budget.capacity(
+            p,
+            cfg.spec.prefill.replicas,
+            cfg.spec.decode.replicas,
+            read_s,
+            calibration.prefill_s,
+            1,
+        ).turns_per_s
+        for p in policies
+    }
+    plan = budget.plan_turns(
+        [len(t.turns) for t in trajectories],
+        per_turn,
+        start_s,
+        end_s - time.monotonic(),
+        args.warmup_turns,
+    )
+    cut.update(
+        turns_per_agent=plan.turns,
+        replayed_turns=plan.replayed_turns,
+        left_out_turns=cut["trace_turns"] - plan.replayed_turns,
+        predicted_phase_s={p: round(s, 1) for p, s in plan.phase_s.items()},
+        plan_fits=plan.fits,
+    )
+    print(
+        f"plan: {len(trajectories)} agents x {plan.turns} turns ({plan.replayed_turns} of "
+        f"{cut['trace_turns']} turns) per policy, about "
+        + ", ".join(f"{p} {s:.0f} s" for p, s in plan.phase_s.items())
+        + ("" if plan.fits else " (over the budget even so: deadlines will cut)"),
+        file=sys.stderr,
+        flush=True,
+    )
+    return [Trajectory(t.agent_id, t.turns[: plan.turns], t.first_tokens) for t in trajectories]
+
+
+def completed_only(trajectories: list[Trajectory], turns: list[TurnResult]) -> list[Trajectory]:
+    """Each agent's turns up to the last one that ended (what a policy cut at its deadline ran)."""
+    last: dict[str, int] = {}
+    for r in turns:
+        last[r.agent] = max(last.get(r.agent, -1), r.turn)
+    return [
+        Trajectory(t.agent_id, t.turns[: last[t.agent_id] + 1], t.first_tokens)
+        for t in trajectories
+        if t.agent_id in last
+    ]
+
+
+def describe_cut(cut: dict[str, Any]) -> str:
+    parts = []
+    if cut.get("left_out_turns"):
+        parts.append(
+            f"{cut['replayed_turns']} of {cut['trace_turns']} turns replayed "
+            f"({cut['turns_per_agent']} per agent)"
+        )
+    if cut.get("agents_not_warmed"):
+        parts.append(f"{len(cut['agents_not_warmed'])} agents not warmed up in time, left out")
+    for policy, n in cut.get("deadline", {}).items():
+        parts.append(f"{policy} reached its deadline after {n} turns (the rest replay those)")
+    return "; ".join(parts)
+
+
+def result_doc(
+    args: argparse.Namespace,
+    cfg: config.ClusterConfig,
+    calibration: SnicCalibration | None,
+    spec: TraceSpec,
+    out: list[PolicyResult],
+    answers: dict[str, dict[tuple[str, int], list[int]]],
+    cut: dict[str, Any],
+    t_start: float,
+    interrupted: Interrupted | None,
+) -> dict[str, Any]:
     by = {r.policy: r for r in out}
     ratio = None
     if "dualpath" in by and "prefill-read" in by and by["prefill-read"].tokens_per_s:
         ratio = round(by["dualpath"].tokens_per_s / by["prefill-read"].tokens_per_s, 3)
     keys = set.intersection(*(set(a) for a in answers.values())) if answers else set()
     same = all(len({tuple(a[k]) for a in answers.values()}) == 1 for k in keys)
-    doc = {
+    return {
         "bench": "local",
         "ratio": ratio,
         "same_greedy_answers": same,
         "compared_turns": len(keys),
+        "interrupted": None if interrupted is None else signal_name(interrupted.signum),
+        "cut": cut,
+        "elapsed_s": round(time.monotonic() - t_start, 1),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
         "setup": {
             "prefill": cfg.spec.prefill.replicas,
             "decode": cfg.spec.decode.replicas,
@@ -689,16 +1092,3 @@ def run(args: argparse.Namespace) -> int:
         },
         "policies": {r.policy: asdict(r) for r in out},
     }
-    (Path(args.out) / "result.json").write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        plot(out, args.plot)
-    if args.json:
-        print(json.dumps(doc))
-    else:  # for a person: the table, and where the details went
-        print(table(out, ratio))
-        print(f"same greedy answers across policies: {same} ({len(keys)} turns compared)")
-        print(
-            f"JSON: {Path(args.out) / 'result.json'}"
-            + (f", plot: {args.plot}" if args.plot else "")
-        )
-    return 0 if all(r.failed == 0 for r in out) else 1

@@ -1,6 +1,7 @@
 """`dualpath up`: a local cluster (scheduler, workers, frontend) as processes on this machine.
 
-Ctrl-C or SIGTERM stops every process (SIGTERM, then SIGKILL after the grace period).
+Ctrl-C or SIGTERM stops every process (SIGTERM, then SIGKILL after the grace period: in-flight
+turns drain as in the pods); a second one SIGKILLs what is left at once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fresh", action="store_true", help="empty the storage directory first")
     parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="the OpenAI API's port on 127.0.0.1 (default: a free one, printed in the READY line)",
+    )
+    parser.add_argument(
         "--no-zygote",
         action="store_true",
         help="restart a crashed worker or scheduler as a fresh process, not as a fork of a "
@@ -55,10 +62,17 @@ def run(args: argparse.Namespace) -> int:
         fresh_storage=args.fresh,
         storage_dir=args.storage_dir,
         zygote=not args.no_zygote,
+        frontend_port=args.port,
     )
     stop = cluster.supervisor.abort  # Ctrl-C during start aborts the start too
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():  # the second one: no more grace
+            cluster.supervisor.hurry.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         cluster.start()
         print(

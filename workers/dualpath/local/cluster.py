@@ -33,6 +33,7 @@ import yaml
 from dualpath.config import ClusterConfig, TlsMode, from_resource
 from dualpath.frontend.tokenizer import save_hf_tokenizer
 from dualpath.grpc_auth import Auth, ClusterToken, write_token_file
+from dualpath.local.interrupt import INTERRUPT_GRACE_S
 from dualpath.local.supervisor import ProcSpec, Supervisor, free_port
 from dualpath.process import (
     Component,
@@ -85,18 +86,22 @@ def local_placement(
     index: int = 0,
     token_file: Path | None = None,
     ca: LocalCA | None = None,
+    port: int = 0,
 ) -> Placement:
-    """A process's placement on this machine: loopback, free ports, the local storage dir for
-    the processes that use storage; with `ca`, its own TLS directory issued by it."""
+    """A process's placement on this machine: loopback, free ports (`port`, when not 0, for its
+    own), the local storage dir for the processes that use storage; with `ca`, its own TLS
+    directory issued by it."""
     worker = component.role is not None
     node_id = f"{component.value}-{index}" if worker else ""
     name = node_id or component.value
     tls_dir = ca.issue_dir(name, component.value, name) if ca is not None else ""
+    if component is Component.SCHEDULER:
+        port = int(scheduler.rsplit(":", 1)[1])
     return Placement(
         config_file=str(cfg_path),
         scheduler=scheduler,
         host=LOCAL_HOST,
-        port=int(scheduler.rsplit(":", 1)[1]) if component is Component.SCHEDULER else free_port(),
+        port=port or free_port(),
         metrics_port=0 if component is Component.FRONTEND else free_port(),
         storage=str(storage) if uses_storage(component) else None,
         node_id=node_id,
@@ -113,12 +118,18 @@ def process_specs(
     log_level: str = "INFO",
     token_file: Path | None = None,
     ca: LocalCA | None = None,
+    frontend_port: int = 0,
 ) -> tuple[list[ProcSpec], Endpoints]:
+    """The processes of a local cluster in start order, and their endpoints; the frontend on
+    `frontend_port` (0: a free one)."""
     ep = Endpoints()
     ep.scheduler = f"{LOCAL_HOST}:{free_port()}"
 
     def spec(component: Component, index: int = 0, **kw: object) -> tuple[ProcSpec, Placement]:
-        at = local_placement(cfg_path, component, ep.scheduler, storage, index, token_file, ca)
+        port = frontend_port if component is Component.FRONTEND else 0
+        at = local_placement(
+            cfg_path, component, ep.scheduler, storage, index, token_file, ca, port
+        )
         cmd = process_command(cfg, component, at)
         name = at.node_id or component.value
         extra = LOCAL_WORKER_ENV if component.role else {}
@@ -163,6 +174,7 @@ class LocalCluster:
         fresh_storage: bool = False,
         storage_dir: str | Path | None = None,
         zygote: bool = False,
+        frontend_port: int = 0,
     ) -> None:
         """`grace_s`: SIGTERM to SIGKILL (default: the pods' grace, spec.workers.drainSeconds
         plus the stop margin). `storage_dir`: the local directory that backs the storage volume,
@@ -171,7 +183,8 @@ class LocalCluster:
         runs the deployed topology exactly: no other process can reach the store. `zygote`: a
         crashed worker or scheduler is restarted forked from a warm process that has done
         their imports (`dualpath.local.zygote`), not started afresh (`dualpath up`; off for
-        benchmarks and tests, where its imports would compete for the CPU)."""
+        benchmarks and tests, where its imports would compete for the CPU). `frontend_port`:
+        the OpenAI API's port on 127.0.0.1 (0: a free one)."""
         self.zygote = zygote
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +213,7 @@ class LocalCluster:
         # what a client's `--tokenizer <dir>` loads (the checkpoint's own when it has one)
         self.tokenizer_dir = save_hf_tokenizer(self.cfg.spec.model, self.run_dir / "tokenizer")
         self.specs, self.endpoints = process_specs(
-            self.cfg_path, self.cfg, storage, log_level, self.token_file, self.ca
+            self.cfg_path, self.cfg, storage, log_level, self.token_file, self.ca, frontend_port
         )
         grace = termination_grace_seconds(self.cfg) if grace_s is None else grace_s
         self.supervisor = Supervisor(grace_s=grace, sink=sink)
@@ -238,11 +251,14 @@ class LocalCluster:
         )
         return self
 
-    def stop(self) -> None:
-        self.supervisor.stop()
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every process (`grace_s`: at most this SIGTERM to SIGKILL, else each one's)."""
+        self.supervisor.stop(grace_s)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # left on Ctrl-C / SIGTERM (KeyboardInterrupt): the turns are abandoned, drain nothing
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.stop(INTERRUPT_GRACE_S if interrupted else None)

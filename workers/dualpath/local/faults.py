@@ -53,6 +53,7 @@ import yaml
 
 from dualpath import config
 from dualpath.local.openai_client import stream_completion
+from dualpath.local.supervisor import process_tree
 
 log = logging.getLogger(__name__)
 
@@ -165,22 +166,7 @@ class Cluster:
 
     def descendants(self) -> list[int]:
         """Every live process under `dualpath up` (its children, the zygote's children)."""
-        if self.proc is None:
-            return []
-        procs: dict[int, int] = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and _alive(int(d.name)):
-                try:
-                    procs[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-        tree, todo = [], [self.proc.pid]
-        while todo:
-            parent = todo.pop()
-            kids = [pid for pid, ppid in procs.items() if ppid == parent]
-            tree += kids
-            todo += kids
-        return tree
+        return [] if self.proc is None else process_tree(self.proc.pid)
 
     def ready_url(self, name: str) -> str:
         """From the process's own READY line (its command line is its title: `dualpath

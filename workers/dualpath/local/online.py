@@ -52,6 +52,7 @@ import httpx
 
 from dualpath import config
 from dualpath.local import bench
+from dualpath.local.budget import Capacity, capacity
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
 
@@ -121,28 +122,6 @@ class RatePoint:
     met_sla: bool | None = None
     load: float | None = None  # the rate over the policy's predicted capacity (agents/s)
     errors: dict[str, int] = field(default_factory=dict)  # failed turns by error (80 chars)
-
-
-@dataclass
-class Capacity:
-    """The turns/s a policy's cluster can serve, predicted from the calibrated median turn."""
-
-    policy: str
-    readers: int  # SNICs that read hits under the policy
-    read_s: float  # the median turn's hit read at one SNIC's cap
-    prefill_s: float  # its prefill compute
-    turns_per_s: float
-    agents_per_s: float  # turns_per_s / turns per session
-
-
-def capacity(
-    policy: str, prefill: int, decode: int, read_s: float, prefill_s: float, turns: float
-) -> Capacity:
-    """Read-bound: prefill-read reads on the P prefill SNICs, decode-read on the D decode ones,
-    dualpath (and round-robin) on all P + D; never above the P prefill nodes' compute (pure)."""
-    readers = {"prefill-read": prefill, "decode-read": decode}.get(policy, prefill + decode)
-    tps = min(readers / read_s, prefill / prefill_s)
-    return Capacity(policy, readers, read_s, prefill_s, round(tps, 4), round(tps / turns, 4))
 
 
 def point(rate: float, agents: int, results: list[bench.TurnResult], elapsed_s: float) -> RatePoint:
@@ -444,7 +423,9 @@ def run(args: argparse.Namespace) -> int:
         # `--warmup-turns` turns run once beforehand, cold, a few sessions at a time (all at once
         # would ask the prefill node for more KV buffer than it has for their cold prefills)
         seed = (
-            bench.seed_storage(cfg, [base[i : i + 8] for i in range(0, len(base), 8)], args, sink)
+            bench.seed_storage(
+                cfg, [base[i : i + 8] for i in range(0, len(base), 8)], args, sink
+            ).path
             if args.warmup_turns
             else None
         )

@@ -2,6 +2,11 @@
 log lines forwarded with a `[name]` prefix, restarts of a crashed child with exponential
 backoff (as a kubelet restarts a container; `heal()`), and a clean stop (SIGTERM to the group,
 SIGKILL after each wave's grace) that leaves no process behind.
+
+However the supervisor's process ends, its children end with it: a stop interrupted by a signal
+finishes (SIGKILL at once) before the signal's exception goes on; `hurry_all()` (a second Ctrl-C)
+turns every running stop's grace into SIGKILL now; and a child started from the main thread is
+tied to this process's life (`dualpath.lifeline`: SIGTERM when it dies, even by SIGKILL).
 """
 
 from __future__ import annotations
@@ -17,8 +22,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
+
+from dualpath.lifeline import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +130,37 @@ def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+_supervisors: weakref.WeakSet[Supervisor] = weakref.WeakSet()
+
+
+def hurry_all() -> None:
+    """Every supervisor of this process stops without grace: SIGKILL what is left now (safe
+    from a signal handler: it only sets events)."""
+    for sup in list(_supervisors):
+        sup.hurry.set()
+
+
+def process_tree(root: int) -> list[int]:
+    """The live descendants of `root` (children, their children, ...), from /proc."""
+    parent_of: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[0] != "Z":  # a zombie has ended: only its exit status is left
+            parent_of[int(d.name)] = int(stat[1])
+    tree, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        kids = [pid for pid, ppid in parent_of.items() if ppid == parent]
+        tree += kids
+        todo += kids
+    return tree
+
+
 class Supervisor:
     """Owns its children: `stop()` (or leaving the `with` block) ends every one of them."""
 
@@ -140,7 +180,9 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stopping = False
         self.abort = threading.Event()  # set (e.g. from a signal handler) to abandon a start
+        self.hurry = threading.Event()  # set (hurry_all): a stop SIGKILLs without grace
         self.zygote = None  # a dualpath.local.zygote.Zygote: restarts fork from it
+        _supervisors.add(self)
 
     def __enter__(self) -> Supervisor:
         return self
@@ -169,6 +211,11 @@ class Supervisor:
         self, spec: ProcSpec, restart: bool = False
     ) -> tuple[subprocess.Popen, threading.Thread]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        # the kernel ties a child's parent-death signal to the thread that forked it
+        if threading.current_thread() is threading.main_thread():
+            env[PARENT_PID_ENV] = str(os.getpid())
+        else:
+            env.pop(PARENT_PID_ENV, None)
         proc = None
         entry = spec.argv[1:3] == ["-m", "dualpath.cli"]
         if restart and spec.fork_restart and entry and self.zygote is not None:
@@ -272,23 +319,37 @@ class Supervisor:
             (c.spec.name, c.proc.returncode) for c in self.children if c.proc.poll() is not None
         ]
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the groups wave by wave (highest `stop_wave` first, last started first
         within a wave), SIGKILL what is left of a wave after its own grace (each process's
-        `grace_s`, counted from that wave's SIGTERM), then the next wave."""
+        `grace_s`, counted from that wave's SIGTERM; at most `grace_s` when given), then the
+        next wave. A signal's exception (KeyboardInterrupt) during the stop does not cut it
+        short: the rest is SIGKILLed at once, then the exception goes on."""
         if self._stopping:
             return
         self._stopping = True
+        pending: BaseException | None = None
+        while True:
+            try:
+                self._stop_waves(grace_s)
+                break
+            except KeyboardInterrupt as stop:
+                pending = stop
+                self.hurry.set()  # the second pass kills what is left without waiting
+        if pending is not None:
+            raise pending
+
+    def _stop_waves(self, grace_s: float | None) -> None:
         for wave in sorted({c.spec.stop_wave for c in self.children}, reverse=True):
             group = [c for c in reversed(self.children) if c.spec.stop_wave == wave]
             t0 = time.monotonic()
             for c in group:
-                _signal_group(c.proc, signal.SIGTERM)
+                _signal_group(c.proc, signal.SIGKILL if self.hurry.is_set() else signal.SIGTERM)
             for c in group:
                 grace = self.grace_s if c.spec.grace_s is None else c.spec.grace_s
-                try:
-                    c.proc.wait(timeout=max(0.0, t0 + grace - time.monotonic()))
-                except subprocess.TimeoutExpired:
+                if grace_s is not None:
+                    grace = min(grace, grace_s)
+                if not self._wait(c.proc, t0 + grace):
                     log.warning(
                         "%s ignored SIGTERM for %.1fs: SIGKILL",
                         c.spec.name,
@@ -306,6 +367,15 @@ class Supervisor:
         if self.zygote is not None:
             self.zygote.close()
         log.info("stopped %d processes", len(self.children))
+
+    def _wait(self, proc: subprocess.Popen, until_s: float) -> bool:
+        """Whether `proc` exited by monotonic `until_s`; False at once when hurried."""
+        while proc.poll() is None:
+            left = until_s - time.monotonic()
+            if left <= 0 or self.hurry.is_set():
+                return False
+            time.sleep(min(0.05, left))
+        return True
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import IO
 
+from dualpath.lifeline import PARENT_PID_ENV, die_with_parent
+
 log = logging.getLogger(__name__)
 
 # What a worker or scheduler imports before it does anything (cli.py imports per command).
@@ -76,8 +78,10 @@ def _child(sock: socket.socket, req: dict, out_fd: int) -> None:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        # its parent is this zygote: it ends with it (and the zygote with the supervisor)
+        die_with_parent(parent=os.getppid())
         os.environ.clear()
-        os.environ.update(req["env"])
+        os.environ.update({**req["env"], PARENT_PID_ENV: str(os.getppid())})
         argv = list(req["argv"])
         sys.argv = ["dualpath", *argv]
         # The child runs a command line as exec'ing the `dualpath` console script would: the
@@ -177,10 +181,14 @@ class Zygote:
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop(PARENT_PID_ENV, None)
+        if threading.current_thread() is threading.main_thread():  # as Supervisor._launch
+            full_env[PARENT_PID_ENV] = str(os.getpid())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dualpath.local.zygote", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
-            env={**os.environ, **(env or {})},
+            env=full_env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -281,6 +289,7 @@ class Zygote:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us, not a Ctrl-C
+    die_with_parent()
     serve(socket.socket(fileno=int(sys.argv[1])))
 
 

@@ -1,4 +1,4 @@
-"""The scheduler's block index: which KV blocks the shared store holds (DESIGN section 3).
+"""The scheduler's block index: which KV blocks the shared store holds (docs/design.md section 3).
 
 Pure and synchronous (the gRPC servicer feeds it and exports its counters). It holds compact
 keys (`kv.ids.block_key`: 63 bits of a block id), fed by **KV events** from the processes that

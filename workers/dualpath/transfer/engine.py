@@ -1,5 +1,5 @@
 """The KV transfer engine of one worker: a NIXL agent (UCX backend), one registered host
-buffer, one-sided WRITEs with a notification each, and deadlines (DESIGN sections 3 and 5).
+buffer, one-sided WRITEs with a notification each, and deadlines (docs/design.md sections 3 and 5).
 
     engine = TransferEngine("decode-0", pool_bytes=256 << 20, link=ComputeLink.from_spec(net))
     peer = engine.add_peer(metadata_from_peer)            # exchanged over the workers' gRPC

@@ -1,4 +1,4 @@
-"""The emulated compute NIC (CNIC) of one node, shared by the two traffic classes (DESIGN section 5).
+"""The emulated compute NIC (CNIC) of one node, shared by the two traffic classes (docs/design.md section 5).
 
 On a cluster the fabric keeps the classes apart: model traffic (collectives) on a high-priority
 service level, KV traffic on a low one, arbitrated high:low by weight (default 99:1). Locally

@@ -1,4 +1,4 @@
-"""The KV transfer contract the workers use (DESIGN section 3): one-sided WRITEs from this
+"""The KV transfer contract the workers use (docs/design.md section 3): one-sided WRITEs from this
 node's registered buffer into a peer's, each followed by a notification the peer waits for.
 
 Two implementations keep it: `transfer.engine.TransferEngine` (NIXL over UCX: RDMA on a

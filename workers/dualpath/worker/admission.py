@@ -1,4 +1,4 @@
-"""Prefill admission with the intra-node batcher (DESIGN section 4, `workers.prefillBatchQuotaMs`).
+"""Prefill admission with the intra-node batcher (docs/design.md section 4, `workers.prefillBatchQuotaMs`).
 
 Requests whose hit KV is on its way queue here; whenever a batch slot is free, the head of the
 queue that fits the compute quota by the cost model (`engine.batcher.admit_fifo`; the request that

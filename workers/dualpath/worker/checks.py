@@ -1,4 +1,4 @@
-"""Start-up checks of a worker's RDMA environment (DESIGN section 9): report, never degrade
+"""Start-up checks of a worker's RDMA environment (docs/design.md section 9): report, never degrade
 silently.
 
 `IPC_LOCK` alone does not raise the memlock limit of a non-root container (Kubernetes grants

@@ -1,4 +1,4 @@
-"""The layer-by-layer KV stream between two workers (DESIGN section 3), both directions.
+"""The layer-by-layer KV stream between two workers (docs/design.md section 3), both directions.
 
 A request's layer `l` is one contiguous range in both workers' buffers (`RequestLayout`), sent
 as one NIXL WRITE whose notification names it: `<request>/hit/<l>` for the hit KV (path D:

@@ -1,7 +1,7 @@
 """Where a request's KV sits in a worker's registered buffer (pure: sizes and views).
 
 Two regions per request, both layer-major so one layer is one contiguous range and one
-NIXL WRITE (the layer-by-layer stream of DESIGN section 3):
+NIXL WRITE (the layer-by-layer stream of docs/design.md section 3):
 
 * hit region: the store's request-buffer layout for `blocks` hit blocks
   (layer l = K of all blocks' tokens, then V), filled by a storage read or by the peer;

@@ -9,7 +9,7 @@ it, `worker/wire.py`):
    NIXL WRITEs from the decode node (one notification per layer);
 3. the engine computes layer l while layer l+1 arrives; each layer's new K, V is written to the
    decode node as soon as it is computed (path P also forwards each hit layer: the decode node
-   needs the whole context, DESIGN section 3 step 4);
+   needs the whole context, docs/design.md section 3 step 4);
 4. once every WRITE completed it answers `done` with the last token's logits.
 """
 

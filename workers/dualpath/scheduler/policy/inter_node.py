@@ -1,8 +1,8 @@
-"""The paper's inter-node scheduling (arXiv 2602.21548, DESIGN section 4), as pure functions.
+"""The paper's inter-node scheduling (arXiv 2602.21548, docs/design.md section 4), as pure functions.
 
 Three choices per request, each over the available nodes (`NodeState.available`: healthy, not
 draining, not held by the scheduler's breaker or a retry's exclusion) and, for the pair, of one
-config hash (`pick_pair`; DESIGN section 9: versions never pair):
+config hash (`pick_pair`; docs/design.md section 9: versions never pair):
 - prefill node: skip overloaded nodes (more than beta seconds of queued prefill tokens); among
   the rest prefer a short read queue (less than alpha seconds of SNIC reading pending); ties by
   fewest tokens. No non-overloaded node: wait (None), the caller re-offers the request.

@@ -108,7 +108,7 @@ class NodeState:
     # Decode engines are grouped (e.g. one group per decode pod set); phase 1 picks a group.
     group: str = "default"
     # Hash of the node's rendered config: prefill and decode nodes pair only within one hash,
-    # so a rollout never mixes versions (DESIGN section 9). "" (local runs) pairs with "".
+    # so a rollout never mixes versions (docs/design.md section 9). "" (local runs) pairs with "".
     config_hash: str = ""
     # The one filter before the policy: healthy, not draining, not held. Every policy choice
     # skips a node for which it is False. Kept by the setters of the three flags below.
