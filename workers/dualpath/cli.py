@@ -76,6 +76,12 @@ def _operator() -> ModuleType:
     return main
 
 
+def _model() -> ModuleType:
+    from dualpath.integrations.vllm import checkpoint
+
+    return checkpoint
+
+
 def _scheduler() -> ModuleType:
     from dualpath.scheduler import cli
 
@@ -142,6 +148,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command("size P:D from a trace with the simulator, per policy", _plan),
     "render": Command("print the manifests a DualPathCluster turns into", _render),
     "operator": Command("run the kopf operator", _operator),
+    "model": Command("write a Llama checkpoint both engines (DualPath, vLLM) load", _model),
     "scheduler": Command("run the gRPC scheduler service", _scheduler),
     "worker": Command("run a prefill or decode worker", _worker),
     "frontend": Command("run the OpenAI-style HTTP frontend", _frontend),

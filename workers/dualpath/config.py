@@ -286,6 +286,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=512,
         dtype="float32",
     ),
+    # tiny's size with a head dim vLLM's CPU attention supports (32, 64, 80, ...): the model of
+    # the vLLM integration's tests, served by both engines from one checkpoint (docs/vllm.md)
+    "tiny64": dict(
+        name="dualpath-tiny64",
+        layers=4,
+        hidden_size=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=512,
+        dtype="float32",
+    ),
     "small": dict(
         name="dualpath-small",
         layers=8,
@@ -747,6 +760,9 @@ class WorkersSpec(_Model):
     batch FIFO while the cost model's estimates (calibrated at start-up) fit it, and run as one
     forward, each bit-identical to running alone. 0: one request per compute job. The paper
     uses 300 ms on a GPU; scale it to the hardware (docs/engine.md)."""
+    engine: Literal["dualpath", "vllm"] = "dualpath"
+    """The engine that serves the model on every worker: dualpath (the project's torch engine)
+    or vllm (an unmodified vLLM with the DualPath KV connector, docs/vllm.md)."""
     run_as_non_root: bool | None = None
     """Run worker containers as uid 65532; unset: non-root unless they request RDMA devices
     (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for
