@@ -25,3 +25,8 @@ SAVED_BLOCKS = Counter("dualpath_vllm_saved_blocks_total", "store blocks written
 SAVE_FAILURES = Counter(
     "dualpath_vllm_save_failures_total", "saves that failed (full or read-only store)"
 )
+TURNS = Counter(
+    "dualpath_vllm_turns_total",
+    "turns a vLLM decode node served, by the route's read path (prefill, decode, none)",
+    ["path"],
+)
