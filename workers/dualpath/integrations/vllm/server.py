@@ -20,6 +20,8 @@ CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
 # vLLM's CPU KV cache of one instance, GiB (VLLM_CPU_KVCACHE_SPACE): a small local cluster
 CPU_KVCACHE_GIB = 1
 MAX_MODEL_LEN = 16384
+# vLLM's KV block on CPU (its default, given explicitly: the adapter rounds hits to it)
+VLLM_BLOCK_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ def vllm_command(
         model.dtype,
         "--max-model-len",
         str(MAX_MODEL_LEN),
+        "--block-size",
+        str(VLLM_BLOCK_TOKENS),
         "--enforce-eager",
         # every hit is DualPath's: vLLM's own prefix cache would serve a node's repeats itself
         "--no-enable-prefix-caching",

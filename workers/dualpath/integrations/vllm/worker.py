@@ -36,8 +36,9 @@ from dualpath.config import ClusterConfig, Role
 from dualpath.grpc_auth import channel as token_channel
 from dualpath.grpc_auth import connected, server_interceptors
 from dualpath.integrations.vllm import metrics
+from dualpath.integrations.vllm.blocks import usable_hit_tokens
 from dualpath.integrations.vllm.plan import Route
-from dualpath.integrations.vllm.server import vllm_command
+from dualpath.integrations.vllm.server import VLLM_BLOCK_TOKENS, vllm_command
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import scheduler_pb2 as spb
@@ -327,6 +328,7 @@ class VllmWorker:
             await self._prefill_on_peer(req)
             route = Route(len(prompt) // bt * bt, "prefill", req.prefill_node, salt, req.request_id)
         metrics.TURNS.labels(path=path).inc()
+        hit = usable_hit_tokens(req.hit_tokens, len(prompt), VLLM_BLOCK_TOKENS)
         sampling = {
             "temperature": req.temperature,
             "stream": True,
@@ -356,9 +358,9 @@ class VllmWorker:
                             tokens=c.get("token_ids") or [],
                             finish_reason=c.get("finish_reason") or "",
                         )
-                        if first:  # what the turn was routed to use (docs/vllm.md)
+                        if first:  # the route's hit in whole vLLM blocks (docs/vllm.md)
                             first = False
-                            chunk.hit_tokens = req.hit_tokens if path != "none" else 0
+                            chunk.hit_tokens = hit
                             chunk.read_path = _PATH_PB.get(path, spb.READ_PATH_UNSPECIFIED)
                         yield chunk
         finally:
