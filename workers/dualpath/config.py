@@ -143,7 +143,7 @@ class ModelSpec(_Model):
     """Served model name (the OpenAI `model` field); part of the KV fingerprint. Default: the
     preset's."""
     preset: str | None = "tiny"
-    """Named shape filling every dimension not given: tiny, small, llama3-8b, qwen2.5-32b,
+    """Named shape filling every dimension not given: tiny, tiny64, small, llama3-8b, qwen2.5-32b,
     deepseek-v3.2, dsmla-27b; null to give all dimensions explicitly."""
     image: str = Field(default="ghcr.io/dualpath/dualpath:0.1.0", min_length=1)
     """Container image of every DualPath process."""

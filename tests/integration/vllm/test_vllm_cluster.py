@@ -76,8 +76,12 @@ def _conversation(c: httpx.Client, sid: str, turns: int) -> list[tuple[dict, dic
     messages = [{"role": "user", "content": f"agent {sid}: plan the task. " * 20}]
     out = []
     for t in range(turns):
+        # round-robin alternates the read path route by route: the recompute goes first on
+        # odd turns, so the agent's own turns alternate path P and path D
+        ref = _turn(c, messages, salt=f"recompute-{sid}-{t}") if t % 2 else None
         answer = _turn(c, messages)
-        out.append((answer, _turn(c, messages, salt=f"recompute-{sid}-{t}")))
+        ref = ref or _turn(c, messages, salt=f"recompute-{sid}-{t}")
+        out.append((answer, ref))
         messages += [
             {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
             {"role": "user", "content": f"tool result {t}: ok. " * 12},
