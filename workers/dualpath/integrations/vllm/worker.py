@@ -44,6 +44,7 @@ from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
+from dualpath.worker import FAILED_NODE_KEY
 from dualpath.worker.node import NodeOptions
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,10 @@ class VllmServicer(wpb_grpc.WorkerServicer):
             body = await n.complete(list(request.prompt_tokens), route, max_tokens=1)
         except (httpx.HTTPError, RuntimeError) as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} vLLM: {err}")
-        cached = ((body.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-        yield wpb.PrefillMessage(
-            done=wpb.PrefillDone(compute_seconds=time.perf_counter() - t0, vocab_size=cached or 0)
-        )
+        usage = body.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        log.debug("prefill %s: %s hit tokens loaded", request.request_id, cached)
+        yield wpb.PrefillMessage(done=wpb.PrefillDone(compute_seconds=time.perf_counter() - t0))
 
     async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
@@ -104,7 +105,14 @@ class VllmServicer(wpb_grpc.WorkerServicer):
         try:
             async for chunk in n.generate(request):
                 yield chunk
+        except grpc.aio.AioRpcError as err:  # the prefill node failed: name it for the retry
+            context.set_trailing_metadata(((FAILED_NODE_KEY, request.prefill_node),))
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill {request.prefill_node}: {err.code().name}: {err.details()}",
+            )
         except (httpx.HTTPError, RuntimeError) as err:
+            context.set_trailing_metadata(((FAILED_NODE_KEY, n.node_id),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id}: {err}")
 
 
