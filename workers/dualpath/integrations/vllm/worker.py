@@ -353,6 +353,9 @@ class VllmWorker:
         first = True
         self.inflight += 1
         self.tokens_running += len(prompt)
+        # path D: this node's read queue reads the hit (the heartbeat's read-pending bytes)
+        reads = route.hit_tokens * self.cfg.spec.model.kv_bytes_per_token if path == "decode" else 0
+        self.read_pending_bytes += reads
         try:
             async with self.http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -368,12 +371,15 @@ class VllmWorker:
                         )
                         if first:  # the route's hit in whole vLLM blocks (docs/vllm.md)
                             first = False
+                            self.read_pending_bytes -= reads  # read before the first token
+                            reads = 0
                             chunk.hit_tokens = hit
                             chunk.read_path = _PATH_PB.get(path, spb.READ_PATH_UNSPECIFIED)
                         yield chunk
         finally:
             self.inflight -= 1
             self.tokens_running -= len(prompt)
+            self.read_pending_bytes -= reads
 
     # ---- stop -------------------------------------------------------------------------------
 
