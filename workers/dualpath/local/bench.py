@@ -610,7 +610,13 @@ def base_config(args: argparse.Namespace, snic_gbps: float | None = None) -> con
         snic_gbps = args.snic_gbps
     if snic_gbps:
         over["storage.snicGbps"] = snic_gbps
-    return with_overrides(cfg, **over)
+    cfg = with_overrides(cfg, **over)
+    if cfg.spec.workers.engine == "vllm" and not cfg.spec.model.checkpoint_path:
+        from dualpath.local.cluster import with_vllm_checkpoint
+
+        # one checkpoint for the seed and every policy: its path is part of the KV fingerprint
+        cfg = with_vllm_checkpoint(cfg, Path(args.out).resolve() / "model")
+    return cfg
 
 
 def bench_config(

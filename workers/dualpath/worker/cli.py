@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -99,7 +100,18 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await node.start()
+        starting = asyncio.ensure_future(node.start())
+        if cfg.spec.workers.engine == "vllm":  # vLLM starts in a minute: SIGTERM stops that
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                await node.stop()
+                return 0
+        await starting
         print(
             f"READY worker role={role.value} node={node_id} grpc={node.address} metrics={obs.port}",
             flush=True,
