@@ -67,6 +67,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+async def _sse_data(response: httpx.Response):  # noqa: ANN202
+    """The `data:` payloads of a server-sent event stream, split on b"\\n" only: httpx's
+    aiter_lines also splits on U+2028, U+0085, ..., which a generated text carries unescaped."""
+    buf = b""
+    async for part in response.aiter_bytes():
+        buf += part
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield line[6:]
+
+
 class VllmServicer(wpb_grpc.WorkerServicer):
     def __init__(self, node: VllmWorker) -> None:
         self.node = node
@@ -360,10 +372,8 @@ class VllmWorker:
             async with self.http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"vLLM answered {r.status_code}: {(await r.aread())[:200]}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    msg = json.loads(line[6:])
+                async for line in _sse_data(r):
+                    msg = json.loads(line)
                     for c in msg.get("choices") or ():
                         chunk = wpb.GenerateChunk(
                             tokens=c.get("token_ids") or [],
