@@ -62,3 +62,24 @@ def test_route_round_trips_and_refuses_bad_fields() -> None:
     ):
         with pytest.raises(ValueError, match=field):
             Route.of({"dualpath": bad})
+
+
+async def test_sse_payloads_split_on_newlines_only() -> None:
+    """A generated text may carry U+2028 or U+0085 unescaped in vLLM's JSON: not a line end."""
+    import json
+
+    from dualpath.integrations.vllm.worker import _sse_data
+
+    events = [{"choices": [{"text": "a\u2028b\x85c", "token_ids": [1, 2]}]}, {"choices": []}]
+    body = b"".join(
+        b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n" for e in events
+    )
+    body += b"data: [DONE]\n\n"
+
+    class _Response:
+        async def aiter_bytes(self):  # noqa: ANN202 (in pieces that cut lines anywhere)
+            for i in range(0, len(body), 7):
+                yield body[i : i + 7]
+
+    got = [json.loads(x) async for x in _sse_data(_Response())]
+    assert got == events
