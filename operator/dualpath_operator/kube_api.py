@@ -38,14 +38,14 @@ class KubeApi:
             self._resources[key] = self.dyn.resources.get(api_version=api_version, kind=kind)
         return self._resources[key]
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         res = self._res(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         out = res.server_side_apply(
             body=obj,
             name=meta["name"],
             namespace=meta.get("namespace"),
-            field_manager=FIELD_MANAGER,
+            field_manager=field_manager,
             force_conflicts=True,
             _request_timeout=REQUEST_TIMEOUT_S,
         )
@@ -94,23 +94,6 @@ class KubeApi:
             namespace=namespace,
             content_type="application/merge-patch+json",
             _request_timeout=REQUEST_TIMEOUT_S,
-        )
-
-    def patch_spec(self, api_version, kind, namespace, name, patch, resource_version):
-        body = {
-            **patch,
-            "metadata": {**patch.get("metadata", {}), "resourceVersion": resource_version},
-        }
-        return (
-            self._res(api_version, kind)
-            .patch(
-                body=body,
-                name=name,
-                namespace=namespace,
-                content_type="application/merge-patch+json",
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-            .to_dict()
         )
 
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:

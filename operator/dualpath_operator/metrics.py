@@ -26,8 +26,7 @@ CONFLICTS = Counter(
 )
 SCALES = Counter(
     "dualpath_operator_scales_total",
-    "Replica counts carried between a DualPathPool and its cluster spec, by the side that moved",
-    ["source"],
+    "Worker StatefulSet replica counts changed to their DualPathPool's count",
 )
 SCALES_REFUSED = Counter(
     "dualpath_operator_scales_refused_total",

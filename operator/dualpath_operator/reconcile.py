@@ -1,10 +1,11 @@
-"""The reconcile: fresh reads -> replica merge -> desired children -> apply -> prune -> status.
+"""The reconcile: a fresh read of the cluster, the phases in order (`phases.py`), the status.
 
-Level-triggered and idempotent: every pass reads the cluster and its pools from the API, renders
-the whole desired state, applies it with server-side apply, deletes children it no longer asks
-for, and writes the status itself (also when an apply fails). Every state it relies on lives in
-API objects (the synced-replicas annotation on each pool), so an operator restart loses nothing.
-The API is behind `ClusterApi` so tests run against an in-memory fake.
+Level-triggered and idempotent: every pass reads the cluster, its pools and StatefulSets from
+the API, renders the whole desired state, applies it with server-side apply, deletes children
+it no longer asks for, and writes the status itself (also when an apply fails). It keeps no
+state of its own (each replica count has one writer, `scaling.py`), so an operator restart
+loses nothing. The API is behind `ClusterApi` so tests run against an in-memory fake; the
+`Reconciler` is the shell both triggers share (kopf handlers and the periodic resync).
 """
 
 from __future__ import annotations
@@ -15,24 +16,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dualpath import config
-from dualpath.config import API_VERSION_FULL, KIND, Role
+from dualpath.config import API_VERSION_FULL, KIND
 
-from . import metrics, scaling
-from .builders import CHILD_KINDS, CLUSTER_LABEL, POOL_KIND, child_name, render, token_secret
+from . import metrics
+from .builders import child_name
 from .builders.checks import spec_warnings
-from .builders.common import selector_labels
 from .builders.pods import scheduler_address
 from .k8s_errors import ApiFailure, describe, is_not_found
-from .status import PoolObjectStatus, Problem, WorkloadObservation, compute_status, condition
+from .phases import FIELD_MANAGER, PHASE_OF_CONDITION, Pass, PhaseError, emit, run_phases
+from .status import ConditionType, Problem, compute_status, condition
 
 _log = logging.getLogger(__name__)
-FIELD_MANAGER = "dualpath-operator"
 CONFLICT_ATTEMPTS = 5  # 409s in a row before the pass is handed to the retry backoff
 
 
 class ClusterApi(Protocol):
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         """Server-side apply; `metadata.resourceVersion` in `obj` is a precondition."""
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...
@@ -50,17 +49,6 @@ class ClusterApi(Protocol):
     def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
     ) -> None: ...
-
-    def patch_spec(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str,
-        name: str,
-        patch: dict[str, Any],
-        resource_version: str,
-    ) -> dict[str, Any]:
-        """Merge patch guarded by `resource_version` (409 when the object moved on)."""
 
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None: ...
 
@@ -86,20 +74,8 @@ class ReconcileResult:
     warnings: list[str] = field(default_factory=list)
 
 
-class ChildApiError(Exception):
-    """A retryable API error met while applying one child, named for the log and status."""
-
-    def __init__(self, failure: ApiFailure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-
-
 def failure_of(err: Exception) -> ApiFailure:
-    return err.failure if isinstance(err, ChildApiError) else describe(err)
-
-
-def _key(obj: dict) -> str:
-    return f"{obj['kind']}/{obj['metadata']['name']}"
+    return err.failure if isinstance(err, PhaseError) else describe(err)
 
 
 def reconcile(api: ClusterApi, namespace: str, name: str) -> ReconcileResult:
@@ -119,214 +95,60 @@ def reconcile(api: ClusterApi, namespace: str, name: str) -> ReconcileResult:
 
 
 def _pass(api: ClusterApi, ns: str, name: str, log: ObjectLog) -> ReconcileResult:
+    """Read the cluster, run the phases in order (`phases.PHASES`), write the status."""
     body = api.get(API_VERSION_FULL, KIND, ns, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return ReconcileResult("gone")  # garbage collection deletes the children
-    meta = body["metadata"]
+    p = run_phases(Pass(api, body, log))
     previous = body.get("status") or {}
-    try:
-        cfg = config.from_resource(body)
-    except config.ConfigError as err:
-        problem = Problem("InvalidSpec", f"invalid spec: {err}")
+    generation = body["metadata"].get("generation", 0)
+    if p.cfg is None:  # the spec does not parse: only the conditions say something
         status = compute_status(
-            meta.get("generation", 0), "", {}, "", previous.get("conditions"), [problem]
+            generation, "", {}, "", previous.get("conditions"), p.problems, phases=p.ran
         )
         _write_status(api, body, status, previous, log)
         return ReconcileResult("invalid_spec", status)
-
-    owner = {"name": meta["name"], "uid": meta["uid"]}
-    pools = {
-        r.value: api.get(API_VERSION_FULL, POOL_KIND, ns, child_name(cfg, r.value)) for r in Role
-    }
-    generation = meta.get("generation", 0)
-    plan = scaling.plan(
-        {r.value: cfg.spec.pool(r).replicas for r in Role},
-        pools,
-        generation,
-        meta.get("annotations") or {},
-    )
-    moves = plan.cluster_patch()
-    # The pool generation whose count the cluster now holds, so a later stale pool read is
-    # recognised (scaling.StaleRead); written in the same guarded patch as the count.
-    annotations = meta.get("annotations") or {}
-    took = {
-        scaling.ABSORBED_POOL.format(role=role): scaling.absorbed(pools[role])
-        for role, r in plan.roles.items()
-        if pools[role] is not None
-        and not plan.refused
-        and r.value == r.pool
-        and annotations.get(scaling.ABSORBED_POOL.format(role=role))
-        != scaling.absorbed(pools[role])
-    }
-    if moves or took:
-        updated = api.patch_spec(
-            API_VERSION_FULL,
-            KIND,
-            ns,
-            name,
-            {"metadata": {"annotations": took}, "spec": moves},
-            meta["resourceVersion"],
-        )
-        generation = updated["metadata"].get("generation", generation)
-        for role, target in moves.items():
-            old = plan.roles[role].cluster
-            new = target["replicas"]
-            pool_name = child_name(cfg, role)
-            msg = f"spec.{role}.replicas {old} -> {new}: DualPathPool {pool_name} was scaled"
-            metrics.SCALES.labels("pool").inc()
-            log.info("%s", msg)
-            _emit(api, body, "Normal", "Scaled", msg, log)
-    problems = []
-    if plan.refused:
-        problems.append(Problem("UnsafeScale", plan.refused, blocks_ready=False))
-    cfg = cfg.model_copy(
-        update={
-            "spec": cfg.spec.model_copy(
-                update={
-                    r.value: cfg.spec.pool(r).model_copy(update={"replicas": plan.target(r.value)})
-                    for r in Role
-                }
-            )
-        }
-    )
-
-    desired = render(cfg, owner)
-    applied, failures = [], []
-    try:
-        ensure_token(api, cfg, owner, log)
-    except Exception as err:
-        failure = describe(err, f"Secret/{child_name(cfg, 'token')}")
-        if failure.retryable:
-            raise ChildApiError(failure) from err
-        metrics.API_ERRORS.labels(failure.reason, "false").inc()
-        log.warning("token Secret refused: %s", failure.message)
-        failures.append(failure)
-    for obj in desired:
-        if obj["kind"] == POOL_KIND:
-            _guard_pool(obj, plan, pools[obj["spec"]["role"]], generation, log)
-        try:
-            api.apply(obj)
-            applied.append(_key(obj))
-        except Exception as err:
-            failure = describe(err, _key(obj))
-            if failure.retryable:  # counted by the Reconciler with the other retried errors
-                raise ChildApiError(failure) from err
-            metrics.API_ERRORS.labels(failure.reason, "false").inc()
-            log.warning("apply refused: %s", failure.message)
-            failures.append(failure)
-    try:
-        pruned = _prune(api, ns, name, meta["uid"], {_key(o) for o in desired}, log)
-    except Exception as err:  # e.g. a name no label selector can hold: report, do not stop
-        failure = describe(err, "pruning")
-        if failure.retryable:
-            raise ChildApiError(failure) from err
-        pruned, failures = [], [*failures, failure]
-
-    workloads = observe(api, cfg)
-    for role in Role:
-        w = workloads[role.value]
-        selector = ",".join(f"{k}={v}" for k, v in selector_labels(cfg, role.value).items())
-        try:
-            api.patch_status(
-                API_VERSION_FULL,
-                POOL_KIND,
-                ns,
-                child_name(cfg, role.value),
-                PoolObjectStatus(
-                    replicas=w.replicas, ready_replicas=w.ready, selector=selector
-                ).model_dump(by_alias=True),
-            )
-        except Exception as err:
-            if not is_not_found(err):  # a pool whose apply failed above: already reported
-                raise
-    problems += [Problem("ApplyFailed", f.message) for f in failures]
+    cfg = p.cfg
     warnings = spec_warnings(cfg)
     status = compute_status(
         generation,
         cfg.config_hash,
-        workloads,
+        p.workloads,
         scheduler_address(cfg),
         previous.get("conditions"),
-        problems,
+        p.problems,
         warnings,
         f"{child_name(cfg, 'frontend')}:{cfg.spec.frontend.port}"
         if cfg.spec.frontend.replicas
         else None,
+        phases=p.ran,
     )
     _write_status(api, body, status, previous, log)
-    old_degraded = (condition(previous, "Degraded") or {}).get("message") or ""
-    if plan.refused and plan.refused not in old_degraded:  # once per refusal, not per pass
-        metrics.SCALES_REFUSED.inc()
-        for role, r in plan.roles.items():
-            if r.source == "pool" and pools[role]:
-                _emit(api, pools[role], "Warning", "UnsafeScale", plan.refused, log)
-    result = "apply_failed" if failures else "ok"
+    _report_unsafe_scale(p, previous, log)
     log.info(
         "reconciled: %d applied, %d refused, %d pruned; %s",
-        len(applied),
-        len(failures),
-        len(pruned),
+        len(p.applied),
+        len(p.failures),
+        len(p.pruned),
         status["phase"],
     )
-    return ReconcileResult(result, status, applied, pruned, failures, warnings)
+    result = "apply_failed" if p.failures else "ok"
+    return ReconcileResult(result, status, p.applied, p.pruned, p.failures, warnings)
 
 
-def ensure_token(api: ClusterApi, cfg: config.ClusterConfig, owner: dict, log) -> bool:
-    """Create the cluster token Secret when it is absent (a deleted one comes back, with a new
-    token); an existing one is never rewritten, so its token changes only when a person
-    rotates it. Only `create` on Secrets is needed: the operator reads no Secret."""
-    from dualpath.grpc_auth import new_token
-
-    created = api.create_only(token_secret(cfg, owner, new_token()))
-    if created:
-        log.info("created the cluster token Secret %s", child_name(cfg, "token"))
-    return created
-
-
-def _guard_pool(
-    obj: dict, plan: scaling.ReplicaPlan, live: dict | None, generation: int, log: ObjectLog
-) -> None:
-    """The pool apply carries the merged count, the synced annotations and, when the pool
-    exists, the resourceVersion it was read at: a scale landing meanwhile makes it a 409."""
-    role = obj["spec"]["role"]
-    replicas, annotations = plan.pool_annotations(role)
-    obj["spec"]["replicas"] = replicas
-    obj["metadata"]["annotations"].update(annotations)
-    obj["metadata"]["annotations"][scaling.SYNCED_CLUSTER_GENERATION] = str(generation)
-    if live is not None:
-        obj["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
-        r = plan.roles[role]
-        if r.pool != replicas:
-            metrics.SCALES.labels("cluster").inc()
-            log.info(
-                "DualPathPool %s replicas %s -> %s (cluster spec)",
-                obj["metadata"]["name"],
-                r.pool,
-                replicas,
-            )
-
-
-def _prune(api: ClusterApi, ns: str, name: str, uid: str, desired: set[str], log) -> list[str]:
-    """Delete children this CR owns (label AND owner uid) that the spec no longer asks for."""
-    pruned = []
-    for api_version, kind in CHILD_KINDS:
-        for obj in api.list(api_version, kind, ns, {CLUSTER_LABEL: name}):
-            meta = obj["metadata"]
-            owned = any(
-                o.get("uid") == uid and o.get("controller")
-                for o in meta.get("ownerReferences") or []
-            )
-            if not owned or f"{kind}/{meta['name']}" in desired:
-                continue
-            try:
-                api.delete(api_version, kind, ns, meta["name"], meta["uid"])
-            except Exception as err:
-                if not is_not_found(err):
-                    raise
-            metrics.PRUNED.labels(kind).inc()
-            log.info("pruned %s/%s: no longer in the spec", kind, meta["name"])
-            pruned.append(f"{kind}/{meta['name']}")
-    return pruned
+def _report_unsafe_scale(p: Pass, previous: dict, log: ObjectLog) -> None:
+    """A Warning event on each pool asking for the refused count, once per refusal."""
+    plan = p.plan
+    if plan is None or not plan.refused:
+        return
+    old_degraded = (condition(previous, "Degraded") or {}).get("message") or ""
+    if plan.refused in old_degraded:  # reported already: once per refusal, not per pass
+        return
+    metrics.SCALES_REFUSED.inc()
+    for role in plan.pools_asking():
+        pool = p.pools.get(role)
+        if pool is not None:
+            emit(p.api, pool, "Warning", "UnsafeScale", plan.refused, log)
 
 
 def _write_status(api: ClusterApi, body: dict, status: dict, previous: dict, log) -> None:
@@ -349,41 +171,12 @@ def _write_status(api: ClusterApi, body: dict, status: dict, previous: dict, log
         )
     ):
         log.warning("degraded: %s: %s", new_d["reason"], new_d["message"])
-        _emit(api, body, "Warning", new_d["reason"], new_d["message"], log)
+        emit(api, body, "Warning", new_d["reason"], new_d["message"], log)
     old_r, new_r = condition(previous, "Ready"), condition(status, "Ready")
     was_ready = bool(old_r and old_r.get("status") == "True")
     if new_r and (new_r["status"] == "True") != was_ready:
         reason = "Ready" if new_r["status"] == "True" else "NotReady"
-        _emit(api, body, "Normal", reason, new_r["message"], log)
-
-
-def _emit(api: ClusterApi, obj: dict, type_: str, reason: str, message: str, log) -> None:
-    """Events are best effort: a failed post is logged, never fails the pass."""
-    try:
-        api.event(obj, type_, reason, message)
-    except Exception as err:
-        log.warning("could not post event %s: %s", reason, err)
-
-
-def observe(api: ClusterApi, cfg: config.ClusterConfig) -> dict[str, WorkloadObservation]:
-    out = {}
-    for role in (Role.PREFILL, Role.DECODE):
-        name = child_name(cfg, role.value)
-        out[role.value] = WorkloadObservation.from_object(
-            name,
-            cfg.spec.pool(role).replicas,
-            api.get("apps/v1", "StatefulSet", cfg.namespace, name),
-        )
-    sched = child_name(cfg, "scheduler")
-    out["scheduler"] = WorkloadObservation.from_object(
-        sched, cfg.spec.scheduler.replicas, api.get("apps/v1", "Deployment", cfg.namespace, sched)
-    )
-    if cfg.spec.frontend.replicas:
-        fe = child_name(cfg, "frontend")
-        out["frontend"] = WorkloadObservation.from_object(
-            fe, cfg.spec.frontend.replicas, api.get("apps/v1", "Deployment", cfg.namespace, fe)
-        )
-    return out
+        emit(api, body, "Normal", reason, new_r["message"], log)
 
 
 class Backoff:
@@ -448,7 +241,7 @@ class Reconciler:
             try:
                 res = reconcile(self.api, namespace, name)
             except Exception as err:
-                return self._retryable(key, failure_of(err), started)
+                return self._retryable(key, err, started)
         metrics.RECONCILES.labels(res.result).inc()
         metrics.RECONCILE_SECONDS.labels(res.result).observe(time.perf_counter() - started)
         if res.result == "gone":
@@ -460,7 +253,8 @@ class Reconciler:
             self.backoff.failed(key)
         return Outcome(res.result)
 
-    def _retryable(self, key, failure: ApiFailure, started: float) -> Outcome:
+    def _retryable(self, key, err: Exception, started: float) -> Outcome:
+        failure = failure_of(err)
         metrics.API_ERRORS.labels(failure.reason, "true").inc()
         metrics.RECONCILES.labels("error").inc()
         metrics.RECONCILE_SECONDS.labels("error").observe(time.perf_counter() - started)
@@ -468,16 +262,18 @@ class Reconciler:
         log = object_log(*key)
         log.warning("retry in %.0f s: %s (%s)", delay, failure.message, failure.reason)
         if self.backoff.failures(key) >= self.REPORT_AFTER_FAILURES:
-            self._report(key, failure)
+            self._report(key, failure, getattr(err, "condition", None))
         return Outcome("error", delay, failure.message)
 
-    def _report(self, key, failure: ApiFailure) -> None:
-        """A retryable error that persists reaches the user too (Degraded, ApiRetrying)."""
+    def _report(self, key, failure: ApiFailure, ctype: ConditionType | None) -> None:
+        """A retryable error that persists reaches the user too: Degraded, and the condition
+        of the phase it stopped in, with reason ApiRetrying (the others as they were)."""
         try:
             body = self.api.get(API_VERSION_FULL, KIND, *key)
             if body is None:
                 return
             previous = body.get("status") or {}
+            phase = PHASE_OF_CONDITION.get(ctype) if ctype else None
             status = {
                 "conditions": compute_status(
                     body["metadata"].get("generation", 0),
@@ -485,7 +281,8 @@ class Reconciler:
                     {},
                     "",
                     previous.get("conditions"),
-                    [Problem("ApiRetrying", f"retrying: {failure.message}")],
+                    [Problem("ApiRetrying", f"retrying: {failure.message}", condition=ctype)],
+                    phases=[phase.outcome] if phase else None,
                 )["conditions"]
             }
             _write_status(self.api, body, status, previous, object_log(*key))

@@ -1,18 +1,22 @@
-"""Pure: who owns a role's replica count, the DualPathPool or the DualPathCluster spec.
+"""Pure: the count each worker StatefulSet gets, from the one object that owns it.
 
-Both can be written by people: `kubectl scale dpp/...` and HPAs write the pool's scale
-subresource, `kubectl edit dpc/...` writes `spec.<role>.replicas`. A three-way merge against
-what the operator last synced (annotations on the pool, so an operator restart loses nothing)
-tells which side moved:
+One writer per count, as in Kubernetes (a Deployment owns its ReplicaSet's count, an HPA its
+target's):
 
-- pool == cluster: agreed.
-- the pool moved (its `metadata.generation` is newer than the one last synced; generations
-  only grow, so a scale back to an old value still counts as a move): the pool wins, also
-  over a cluster edit made within the same sync.
-- otherwise only the cluster moved: the cluster wins.
+- `DualPathPool.spec.replicas`: people and HPAs, through the pool's scale subresource
+  (`kubectl scale dpp/...`). The operator writes it once, when it creates the pool, from the
+  cluster spec; its applies after that never carry the field.
+- `DualPathCluster.spec.<role>.replicas`: the initial count, read only when the pool is created
+  (again after a pool is deleted). Editing it later scales nothing.
+- the worker `StatefulSet.spec.replicas`: the operator, from the pool's count only.
 
-Every write that follows carries the resourceVersion it was decided from, so a write raced
-by a newer one fails with 409 and the pass is redone from fresh reads: no scale is lost.
+No merge, no bookkeeping annotations: the operator never writes a count a person or an HPA
+writes, so it can never undo a scale, and a restart loses nothing.
+
+A pool applied by an older operator carries its count in the operator's server-side-apply
+field set; an apply that omits a field it owns alone deletes it. Such a pool's count is first
+handed over to a field manager that never applies again (`COUNT_HANDOVER_MANAGER`, the
+Kubernetes docs' "handover" for an HPA taking over a Deployment's replicas), once.
 """
 
 from __future__ import annotations
@@ -20,93 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SYNCED_REPLICAS = "dualpath.io/synced-replicas"  # the count, for people
-# The pool generation that count was synced at: a different generation means a scale.
-SYNCED_POOL_GENERATION = "dualpath.io/synced-pool-generation"
-# The cluster generation it was synced from: a cluster read older than it is stale (a cache,
-# a lagging watch) and must not be taken for a cluster edit.
-SYNCED_CLUSTER_GENERATION = "dualpath.io/synced-cluster-generation"
-# On the cluster, per role: "<pool uid>/<pool generation>" whose count the cluster spec took
-# (written in the same guarded patch): a pool read older than it is stale.
-ABSORBED_POOL = "dualpath.io/{role}-pool-absorbed"
 ROLES = ("prefill", "decode")
-
-
-def _annotation_int(obj: dict[str, Any] | None, key: str) -> int | None:
-    raw = (((obj or {}).get("metadata") or {}).get("annotations") or {}).get(key)
-    return int(raw) if raw is not None and str(raw).isdigit() else None
-
-
-@dataclass(frozen=True)
-class RoleReplicas:
-    """One role's values and the merge of them."""
-
-    role: str
-    cluster: int
-    pool: int | None  # None: no pool object yet
-    pool_generation: int = 0
-    synced_pool_generation: int | None = None  # None: a pool written by an older operator
-    synced: int | None = None
-    absorbed_generation: int | None = None  # the pool generation the cluster spec took
-
-    @property
-    def pool_moved(self) -> bool:
-        """Scaled since the last sync: its generation is newer than both the one the operator
-        wrote on it and the one the cluster took (either can lag the other by a pass)."""
-        known = max(self.synced_pool_generation or 0, self.absorbed_generation or 0)
-        return self.pool_generation > known
-
-    @property
-    def source(self) -> str:
-        if self.pool is None:
-            return "cluster"
-        if self.pool == self.cluster:
-            return "agreed"
-        return "pool" if self.pool_moved else "cluster"
-
-    @property
-    def value(self) -> int:
-        return self.pool if self.source == "pool" and self.pool is not None else self.cluster
-
-
-@dataclass(frozen=True)
-class ReplicaPlan:
-    """What to write: the cluster spec (pool moved), the pools, or nothing (refused)."""
-
-    roles: dict[str, RoleReplicas]
-    refused: str | None  # why the merged counts were not taken, for a condition and an event
-
-    def target(self, role: str) -> int:
-        """The count the StatefulSet gets this pass."""
-        r = self.roles[role]
-        return r.cluster if self.refused else r.value
-
-    def cluster_patch(self) -> dict[str, Any]:
-        """`spec` merge patch carrying the pools' moves into the cluster ({} for none)."""
-        if self.refused:
-            return {}
-        return {
-            role: {"replicas": r.value} for role, r in self.roles.items() if r.value != r.cluster
-        }
-
-    def pool_annotations(self, role: str) -> tuple[int, dict[str, str]]:
-        """(spec.replicas, synced annotations) to apply on the pool. Writing a new count
-        bumps the pool's generation by one, which is the generation synced. A refused pool
-        keeps the count asked and its old annotations, so the ask stays visible and moved."""
-        r = self.roles[role]
-        if self.refused and r.pool is not None:
-            return r.pool, {
-                SYNCED_REPLICAS: str(r.synced if r.synced is not None else r.cluster),
-                SYNCED_POOL_GENERATION: str(r.synced_pool_generation or 0),
-            }
-        if r.pool is None:
-            generation = 1
-        else:
-            generation = r.pool_generation + (r.value != r.pool)
-        return r.value, {
-            SYNCED_REPLICAS: str(r.value),
-            SYNCED_POOL_GENERATION: str(generation),
-        }
+COUNT_HANDOVER_MANAGER = "dualpath-pool-count-handover"
 
 
 def unsafe_reason(prefill: int, decode: int) -> str | None:
@@ -118,58 +37,58 @@ def unsafe_reason(prefill: int, decode: int) -> str | None:
     return None
 
 
-class StaleRead(Exception):
-    """The cluster was read at an older generation than a pool already synced from."""
+def pool_count(pool: dict[str, Any] | None, initial: int) -> int:
+    """The pool's count; `initial` (the cluster spec's) for a pool not created yet."""
+    if pool is None:
+        return initial
+    replicas = (pool.get("spec") or {}).get("replicas")
+    return initial if replicas is None else int(replicas)
 
-    status = 409  # handled like a write conflict: redo the pass from fresh reads
 
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Per role: the count asked (the pool's), what the StatefulSet has, and whether the asked
+    counts are refused together (unsafe)."""
 
-def absorbed(pool: dict[str, Any]) -> str:
-    meta = pool["metadata"]
-    return f"{meta.get('uid')}/{meta.get('generation', 0)}"
+    asked: dict[str, int]
+    live: dict[str, int | None]  # None: no StatefulSet yet
+    initial: dict[str, int]  # the cluster spec's counts (valid together: the spec parsed)
+    refused: str | None  # why, for a condition and an event
+
+    def target(self, role: str) -> int:
+        """The count the StatefulSet gets this pass: the pool's, or, while the pools ask for
+        something unsafe, what the StatefulSet already has (not done, and not undone)."""
+        if not self.refused:
+            return self.asked[role]
+        live = self.live[role]
+        return self.initial[role] if live is None else live
+
+    def pools_asking(self) -> list[str]:
+        """Roles whose pool asks for a count their StatefulSet does not have."""
+        return [r for r in ROLES if self.asked[r] != self.live[r]]
 
 
 def plan(
-    cluster: dict[str, int],
+    initial: dict[str, int],
     pools: dict[str, dict[str, Any] | None],
-    cluster_generation: int = 0,
-    cluster_annotations: dict[str, str] | None = None,
+    live: dict[str, int | None],
 ) -> ReplicaPlan:
-    """Merge each role's cluster spec count, pool object and synced annotations (reads).
-    Raises StaleRead when one read predates what the other object was already synced from:
-    a pass must never decide from it (it would revert a newer count)."""
-    absorbed_gen = {}
-    for role, pool in pools.items():
-        synced_at = _annotation_int(pool, SYNCED_CLUSTER_GENERATION) or 0
-        if synced_at > cluster_generation:
-            raise StaleRead(
-                f"cluster read at generation {cluster_generation}, DualPathPool {role} synced "
-                f"from generation {synced_at}"
-            )
-        took = (cluster_annotations or {}).get(ABSORBED_POOL.format(role=role), "")
-        uid, _, gen = took.rpartition("/")
-        meta = (pool or {}).get("metadata") or {}
-        if pool and uid == meta.get("uid") and gen.isdigit():
-            absorbed_gen[role] = int(gen)
-            if int(gen) > meta["generation"]:
-                raise StaleRead(
-                    f"DualPathPool {role} read at generation {meta['generation']}, the cluster "
-                    f"took its count at generation {gen}"
-                )
-    roles = {}
-    for role in ROLES:
-        pool = pools.get(role)
-        roles[role] = RoleReplicas(
-            role,
-            cluster[role],
-            None if pool is None else int((pool.get("spec") or {}).get("replicas") or 0),
-            int(((pool or {}).get("metadata") or {}).get("generation") or 0),
-            _annotation_int(pool, SYNCED_POOL_GENERATION),
-            _annotation_int(pool, SYNCED_REPLICAS),
-            absorbed_gen.get(role),
-        )
-    why = unsafe_reason(roles["prefill"].value, roles["decode"].value)
+    """`initial`: the cluster spec's counts; `pools`: the DualPathPools read (None: absent);
+    `live`: the StatefulSets' `spec.replicas` read (None: absent)."""
+    asked = {r: pool_count(pools.get(r), initial[r]) for r in ROLES}
+    why = unsafe_reason(asked["prefill"], asked["decode"])
     if why:
-        movers = [f"DualPathPool {r.role}" for r in roles.values() if r.source == "pool"]
+        movers = [f"DualPathPool {r}" for r in ROLES if pools.get(r) and asked[r] != live.get(r)]
         why = f"scale refused ({', '.join(movers) or 'pools'}): {why}"
-    return ReplicaPlan(roles, why)
+    return ReplicaPlan(asked, {r: live.get(r) for r in ROLES}, dict(initial), why)
+
+
+def applies_count(pool: dict[str, Any] | None, field_manager: str) -> bool:
+    """Whether `field_manager`'s server-side applies own the pool's `spec.replicas` (read from
+    `metadata.managedFields`, as the API server records it)."""
+    for entry in ((pool or {}).get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == field_manager and entry.get("operation") == "Apply":
+            spec = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+            if "f:replicas" in spec:
+                return True
+    return False

@@ -1,7 +1,9 @@
 """Pure: observed children -> the DualPathCluster status (conditions + observedGeneration).
 
 Kubernetes API conventions: a top-level `Ready` condition `kubectl wait` can read, plus
-`Progressing` and `Degraded`, each with a CamelCase reason and a sentence for people.
+`Progressing` and `Degraded`, each with a CamelCase reason and a sentence for people. Below
+them one condition per reconcile phase (`ConditionType`, in phase order), False with the
+phase's reason when that phase failed, as Cluster API reports each step of its reconcile.
 
 The status is a typed model (`ClusterStatus`, `PoolStatus`, `Condition`, and `DualPathPool`'s
 `PoolObjectStatus`); `crd.py` generates the CRDs' status schemas from these models, as it does
@@ -13,10 +15,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
+
+class ConditionType(StrEnum):
+    """Every condition type the operator writes on a DualPathCluster."""
+
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    # One per reconcile phase (`phases.PHASES`), in the order they run:
+    SPEC_VALID = "SpecValid"
+    SCALE_ACCEPTED = "ScaleAccepted"
+    TOKEN_READY = "TokenReady"
+    CHILDREN_APPLIED = "ChildrenApplied"
+    CHILDREN_PRUNED = "ChildrenPruned"
+    CHILDREN_OBSERVED = "ChildrenObserved"
+    POOLS_REPORTED = "PoolsReported"
+
+
+SUMMARY_CONDITIONS = (ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED)
+PHASE_CONDITIONS = tuple(t for t in ConditionType if t not in SUMMARY_CONDITIONS)
 
 
 class _Status(BaseModel):
@@ -24,7 +47,9 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: str = Field(description="Ready, Progressing or Degraded.")
+    type: str = Field(
+        description="Ready, Progressing, Degraded, or the reconcile phase it reports on."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field("", description="Why, in one CamelCase word.")
     message: str = Field("", description="Why, for a person.")
@@ -61,7 +86,7 @@ class ClusterStatus(_Status):
     decode: PoolStatus = Field(PoolStatus(), description="The decode StatefulSet's pods.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing and Degraded, as Kubernetes conditions.",
+        description="Ready, Progressing, Degraded and one per reconcile phase.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 
@@ -140,6 +165,15 @@ class Problem:
     reason: str  # InvalidSpec, ApplyFailed, ApiRetrying, UnsafeScale, StartupChecks
     message: str
     blocks_ready: bool = True  # the children could not be (fully) applied
+    condition: ConditionType | None = None  # the phase condition it makes False
+
+
+@dataclass(frozen=True)
+class PhaseOutcome:
+    """A phase that ran: its condition is False with its problems, else True."""
+
+    condition: ConditionType
+    ok_message: str  # what True means, for people
 
 
 def compute_status(
@@ -152,9 +186,12 @@ def compute_status(
     warnings: list[str] | None = None,
     frontend_endpoint: str | None = None,
     now: datetime | None = None,
+    phases: list[PhaseOutcome] | None = None,
 ) -> dict[str, Any]:
     """The whole status. Keys whose object no longer exists are None, so a merge patch drops
-    them (e.g. `frontendEndpoint` after `frontend.replicas: 0`)."""
+    them (e.g. `frontendEndpoint` after `frontend.replicas: 0`). `phases`: those that ran
+    this pass; the condition of a phase that did not run is carried over as it was (its
+    `observedGeneration` says which generation it is about)."""
     stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     previous = {c["type"]: c for c in (previous_conditions or [])}
     problems = list(problems or [])
@@ -190,6 +227,7 @@ def compute_status(
         ),
         _condition("Degraded", bool(problems), d_reason, d_msg, generation, previous, stamp),
     ]
+    conditions += _phase_conditions(phases or [], problems, generation, previous, stamp)
 
     def pool(key: str) -> PoolStatus:
         w = workloads.get(key)
@@ -207,6 +245,28 @@ def compute_status(
         decode=pool("decode"),
         conditions=conditions,
     ).model_dump(by_alias=True)
+
+
+def _phase_conditions(
+    ran: list[PhaseOutcome],
+    problems: list[Problem],
+    generation: int,
+    previous: dict[str, dict],
+    now: str,
+) -> list[Condition]:
+    outcomes = {o.condition: o for o in ran}
+    out = []
+    for ctype in PHASE_CONDITIONS:
+        outcome = outcomes.get(ctype)
+        if outcome is None:
+            if ctype in previous:  # not run this pass: as it was
+                out.append(Condition.model_validate(previous[ctype]))
+            continue
+        failed = [p for p in problems if p.condition == ctype]
+        reason = failed[0].reason if failed else "Succeeded"
+        message = "; ".join(p.message for p in failed) if failed else outcome.ok_message
+        out.append(_condition(ctype, not failed, reason, message, generation, previous, now))
+    return out
 
 
 def condition(status: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import random
+import shlex
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -178,3 +179,27 @@ def storm_plan(seed: int, scales: int = 50, low: int = 1, high: int = 4) -> Stor
     k1 = rng.randint(scales // 5, scales // 3)
     k2 = rng.randint(scales // 2, 2 * scales // 3)
     return StormPlan(values, (k1, k2), (k1 + rng.randint(2, 5), k2 + rng.randint(2, 5)))
+
+
+def documented_commands(doc: str, section: str, tool: str) -> list[list[str]]:
+    """The `tool ...` lines of the first ```bash block under `## section` of a markdown doc, as
+    argv lists: the e2e runs what the doc tells a user to run, not a copy of it."""
+    lines = doc.splitlines()
+    try:
+        start = lines.index(f"## {section}")
+    except ValueError:
+        raise StepFailed(f"no '## {section}' section in the doc") from None
+    commands, in_block = [], False
+    for line in lines[start + 1 :]:
+        if line.startswith("## "):
+            break
+        if line.strip().startswith("```"):
+            if in_block:
+                break
+            in_block = line.strip() == "```bash"
+            continue
+        if in_block and line.split()[:1] == [tool]:
+            commands.append(shlex.split(line.split(" #", 1)[0]))
+    if not commands:
+        raise StepFailed(f"no `{tool}` command in the doc's '## {section}' bash block")
+    return commands

@@ -1,9 +1,11 @@
 """Opt-in: the operator against a real API server (`make e2e KUBECONFIG=...`).
 
 Runs `dualpath operator` locally against the cluster and checks, in order, each failure naming
-its step and showing kubectl's stderr: the example applied; a preset spec's config hash equal
+its step and showing kubectl's stderr: `helm install` with the chart's own crds/ (on a cluster
+without them), `helm upgrade` and the CRD upgrade command of docs/operator.md; the example applied; a preset spec's config hash equal
 to `dualpath render`'s; a storm of 50 `kubectl scale dpp/...` with the operator killed and
-restarted twice ending at the last value; an unsafe scale reported; every bad input refused at
+restarted twice ending at the last value (pool and StatefulSet; the cluster spec's count is
+the initial one and stays as applied); an unsafe scale reported; every bad input refused at
 admission or Degraded with a reason; `frontend.replicas: 0` pruned; `kubectl delete dpc` with
 the operator stopped; `helm install` shipping the Grafana dashboard ConfigMap (and the PodMonitor
 where the Prometheus Operator's CRD is installed), `helm uninstall`, then namespace deletion. Images need not be pullable
@@ -28,6 +30,7 @@ from e2e_lib import (  # noqa: E402
     StepFailed,
     bad_input_outcome,
     condition,
+    documented_commands,
     get_json,
     run,
     shrink_example,
@@ -152,7 +155,9 @@ def cluster(ns, name=NAME):
 
 
 def replicas_of(ns, role, name=NAME):
-    """(cluster spec, pool spec, StatefulSet spec) replicas of one role."""
+    """(cluster spec, pool spec, StatefulSet spec) replicas of one role. After creation the pool
+    owns the count and the StatefulSet follows it; the cluster spec's is the initial count,
+    never written by the operator (docs/operator.md, "who owns each count")."""
     c = cluster(ns, name) or {}
     pool = get_json(KUBECTL, "dualpathpool", f"{name}-{role}", ns) or {}
     sts = get_json(KUBECTL, "statefulset", f"{name}-{role}", ns) or {}
@@ -161,6 +166,68 @@ def replicas_of(ns, role, name=NAME):
         pool.get("spec", {}).get("replicas"),
         sts.get("spec", {}).get("replicas"),
     )
+
+
+CRDS = ("dualpathclusters.dualpath.io", "dualpathpools.dualpath.io")
+
+
+def test_0_helm_install_with_its_crds_then_upgrade_and_the_documented_crd_upgrade():
+    """Runs before the suite applies crds/: on an empty cluster `helm install` creates the CRDs
+    from the chart's crds/ (not --skip-crds). DUALPATH_E2E_FRESH_CRDS=1 (a throwaway cluster
+    only: every DualPath object goes with them) deletes CRDs left by an earlier run first."""
+    ns = f"dualpath-e2e-{uuid.uuid4().hex[:6]}-crds"
+    release = "dualpath-crds-e2e"
+    chart = str(ROOT / "charts" / "dualpath")
+    with step("the CRDs before helm install"):
+        present = [c for c in CRDS if kubectl("get", "crd", c, check=False).returncode == 0]
+        if present and os.environ.get("DUALPATH_E2E_FRESH_CRDS") == "1":
+            kubectl("delete", "crd", *present, "--timeout=120s", timeout_s=150)
+            present = []
+        if present:
+            print(
+                f"CRDs already installed ({present}): helm keeps them; the install from the "
+                "chart's crds/ is checked on a cluster without them"
+            )
+    values = ["--set", "replicaCount=0", "--set", f"operator.watchNamespaces={{{ns}}}"]
+    try:
+        with step("helm install with the chart's crds/"):
+            run(
+                [HELM, "install", release, chart, "-n", ns, "--create-namespace", *values],
+                timeout_s=300,
+            )
+            kubectl(
+                "wait", "--for=condition=Established", *(f"crd/{c}" for c in CRDS), "--timeout=60s"
+            )
+        if not present:
+            with step("helm created the CRDs (its field manager owns them)"):
+                for c in CRDS:
+                    managers = {
+                        m.get("manager")
+                        for m in json.loads(
+                            kubectl("get", "crd", c, "-o", "json", "--show-managed-fields").stdout
+                        )["metadata"].get("managedFields", [])
+                    }
+                    if "helm" not in managers:
+                        raise StepFailed(f"crd/{c} managed by {sorted(managers)}, not helm")
+        with step("the example is admitted by the installed CRD (server-side dry run)"):
+            kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
+        with step("helm upgrade"):
+            run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
+        with step("the documented CRD upgrade command (docs/operator.md), then helm upgrade"):
+            doc = (ROOT / "docs" / "operator.md").read_text()
+            for cmd in documented_commands(doc, "Upgrading CRDs", "kubectl"):
+                args = [str(ROOT / a) if (ROOT / a).exists() and "/" in a else a for a in cmd[1:]]
+                kubectl(*args)
+            run([HELM, "upgrade", release, chart, "-n", ns, "--reuse-values"], timeout_s=300)
+            kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(example(ns)))
+        with step("helm uninstall keeps the CRDs; the namespace is deleted"):
+            run([HELM, "uninstall", release, "-n", ns, "--wait"], timeout_s=300)
+            for c in CRDS:
+                kubectl("get", "crd", c)
+            kubectl("delete", "namespace", ns, "--timeout=120s", timeout_s=150)
+    finally:  # a failed step leaves no release or namespace behind
+        run([HELM, "uninstall", release, "-n", ns, "--wait"], check=False, timeout_s=300)
+        kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false", check=False)
 
 
 def test_1_example_applied_and_its_hash_equals_dualpath_render(namespace, operator):
@@ -222,6 +289,7 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
     namespace, operator, show_operator_log
 ):
     plan = storm_plan(seed=int(os.environ.get("DUALPATH_E2E_SEED", "14")))
+    initial = replicas_of(namespace, "decode")[0]  # the cluster spec's, as applied
     templates_before = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"][
         "template"
     ]
@@ -236,15 +304,29 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
             kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, f"--replicas={value}")
         time.sleep(0.2 + 0.1 * (i % 4))
     last = plan.values[-1]
-    with step(f"pool, cluster spec and StatefulSet end at the last value {last}"):
+    want = (initial, last, last)  # cluster spec untouched; pool and StatefulSet at the last
+    with step(f"pool and StatefulSet end at the last value {last}, the cluster spec untouched"):
         wait_for(
-            f"decode replicas == {last} everywhere",
-            lambda: replicas_of(namespace, "decode") == (last, last, last),
+            f"decode replicas (cluster spec, pool, StatefulSet) == {want}",
+            lambda: replicas_of(namespace, "decode") == want,
             timeout_s=120,
         )
         time.sleep(20)  # more than one resync: nothing reverts it
         got = replicas_of(namespace, "decode")
-        assert got == (last, last, last), f"reverted after settling: {got}"
+        assert got == want, f"reverted after settling: {got}"
+    with step("no server-side apply owns the pool's count: its one writer is the scale"):
+        pool = json.loads(
+            kubectl(
+                "get", f"dpp/{NAME}-decode", "-n", namespace, "-o", "json", "--show-managed-fields"
+            ).stdout
+        )
+        appliers = [
+            m["manager"]
+            for m in pool["metadata"].get("managedFields") or []
+            if m.get("operation") == "Apply"
+            and "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
+        ]
+        assert appliers == [], f"spec.replicas applied by {appliers}"
     with step("no scale rolled a pod template"):
         after = get_json(KUBECTL, "statefulset", f"{NAME}-prefill", namespace)["spec"]["template"]
         assert after == templates_before
@@ -253,7 +335,7 @@ def test_2_a_scale_storm_with_two_operator_kills_ends_at_the_last_value(
 def test_3_an_unsafe_scale_is_reported_not_done_and_not_undone(
     namespace, operator, show_operator_log
 ):
-    before = replicas_of(namespace, "decode")[2]
+    initial, _, before = replicas_of(namespace, "decode")
     with step("kubectl scale dpp/...-decode --replicas=0 while prefill runs"):
         kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, "--replicas=0")
     with step("Degraded=True reason UnsafeScale, with a Warning event"):
@@ -267,7 +349,9 @@ def test_3_an_unsafe_scale_is_reported_not_done_and_not_undone(
             "get", "events", "-n", namespace, "--field-selector", "reason=UnsafeScale", "-o", "json"
         ).stdout
         assert json.loads(events)["items"], "no UnsafeScale event"
-        assert replicas_of(namespace, "decode") == (before, 0, before)
+        assert replicas_of(namespace, "decode") == (initial, 0, before)
+        accepted = condition(cluster(namespace), "ScaleAccepted") or {}
+        assert (accepted.get("status"), accepted.get("reason")) == ("False", "UnsafeScale")
     with step("scaling decode back to 1 clears it"):
         kubectl("scale", f"dpp/{NAME}-decode", "-n", namespace, "--replicas=1")
         wait_for(

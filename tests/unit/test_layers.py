@@ -40,6 +40,8 @@ WITHOUT_TORCH = [
     "dualpath.scheduler.client",
     "dualpath.frontend.app",
     "dualpath.frontend.grpc_backend",
+    "dualpath.worker.wire",
+    "dualpath.grpc_bounds",
     "dualpath.frontend.cli",
     "dualpath.sim.cli",
     "dualpath.cli",
@@ -90,3 +92,21 @@ def test_the_leaf_contract_names_every_other_top_level_module():
     assert set(leaf["source_modules"]) - {"dualpath_operator"} == top - entry_points - set(
         leaf["forbidden_modules"]
     )
+
+
+def test_the_layers_contract_places_every_top_level_module():
+    """The runtime's layers (pyproject.toml) name every top-level module once: a new one must
+    take its place in the order, or an upward import through it would go unchecked."""
+    import pkgutil
+    import re
+    import tomllib
+
+    import dualpath
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in contracts["contracts"] if c["name"].startswith("the runtime's layers"))
+    placed = [m for layer in layers["layers"] for m in re.split(r"[|:]", layer)]
+    placed = [m.strip() for m in placed]
+    top = {f"dualpath.{m.name}" for m in pkgutil.iter_modules(dualpath.__path__)}
+    assert len(placed) == len(set(placed))
+    assert set(placed) == top

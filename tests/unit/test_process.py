@@ -63,3 +63,34 @@ def test_worker_knobs_come_from_spec_workers_and_flags_override():
 def test_a_request_timeout_shorter_than_a_transfer_is_refused_naming_the_field():
     with pytest.raises(config.ConfigError, match="requestTimeoutSeconds"):
         config.parse_spec({"workers": {"transferDeadlineSeconds": 60, "requestTimeoutSeconds": 5}})
+
+
+def test_a_process_says_what_it_is_in_ps_and_in_its_log_lines():
+    """`name_process`: the title ps and pgrep -f show (a zygote fork's command line would be the
+    zygote's) and the prefix of every log line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import logging, sys; from dualpath.log import setup_logging, name_process\n"
+        "setup_logging('INFO'); name_process('decode:decode-7')\n"
+        "logging.getLogger('dualpath.worker').info('serving'); print('named', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(root / "workers"), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "named"
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert cmdline.strip() == "dualpath decode:decode-7"
+    finally:
+        _, err = proc.communicate("", timeout=30)
+    assert " I decode:decode-7 dualpath.worker: serving" in err

@@ -131,9 +131,9 @@ def _bench_guidellm() -> ModuleType:
 
 
 def _bench_local() -> ModuleType:
-    from dualpath.local import bench
+    from dualpath.local import bench_cli
 
-    return bench
+    return bench_cli
 
 
 # "bench X" commands are nested under `bench`.

@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from dualpath.scheduler.policy import POLICY_NAMES
+from dualpath import default_image
 
 API_GROUP = "dualpath.io"
 API_VERSION = "v1alpha1"
@@ -136,6 +136,75 @@ class RopeScaling(_Model):
         return self
 
 
+# The volume sources a KV directory (storage.volume) or a checkpoint (model.volume) can live on,
+# with the keys each one needs.
+VOLUME_SOURCES: dict[str, tuple[str, ...]] = {
+    "persistentVolumeClaim": ("claimName",),
+    "nfs": ("server", "path"),
+    "hostPath": ("path",),
+    "csi": ("driver",),
+    "cephfs": ("monitors",),
+    "glusterfs": ("endpoints", "path"),
+    "azureFile": ("secretName", "shareName"),
+    "ephemeral": (),
+    "emptyDir": (),
+}
+
+
+def _volume_schema() -> dict[str, Any]:
+    def source(name: str, needs: tuple[str, ...]) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "type": "object",
+            "description": f"A Kubernetes {name} volume source (as in a pod's volumes).",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
+        if needs:
+            node["required"] = list(needs)
+            node["properties"] = {
+                k: {
+                    "type": "array" if k == "monitors" else "string",
+                    "description": f"{k} of the {name} source",
+                }
+                | ({"items": {"type": "string"}} if k == "monitors" else {})
+                for k in needs
+            }
+        return node
+
+    return {
+        "type": "object",
+        "nullable": True,
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": {k: source(k, needs) for k, needs in VOLUME_SOURCES.items()},
+    }
+
+
+def volume_message(field: str) -> str:
+    return f"{field} must have exactly one volume source, one of " + ", ".join(VOLUME_SOURCES)
+
+
+def check_volume_source(volume: dict[str, Any] | None, field: str) -> dict[str, Any] | None:
+    """One volume source of VOLUME_SOURCES with the keys it needs, typed as in _volume_schema."""
+    if volume is None:
+        return None
+    if len(volume) != 1 or next(iter(volume)) not in VOLUME_SOURCES:
+        raise ValueError(f"{volume_message(field)} (got {sorted(volume)})")
+    kind, source = next(iter(volume.items()))
+    if not isinstance(source, dict):
+        raise ValueError(f"{kind} must be a mapping")
+    missing = [k for k in VOLUME_SOURCES[kind] if k not in source]
+    if missing:
+        raise ValueError(f"{kind} needs {', '.join(missing)}")
+    for key in VOLUME_SOURCES[kind]:
+        want = list if key == "monitors" else str
+        if not isinstance(source[key], want):
+            raise ValueError(f"{kind}.{key} must be a {'list' if want is list else 'string'}")
+    return volume
+
+
+MODEL_VOLUME_MESSAGE = "model.volume needs model.checkpointPath: the volume is mounted there"
+
+
 class ModelSpec(_Model):
     """Model dimensions. `preset` fills every dimension not given explicitly."""
 
@@ -145,10 +214,15 @@ class ModelSpec(_Model):
     preset: str | None = "tiny"
     """Named shape filling every dimension not given: tiny, tiny64, small, llama3-8b, qwen2.5-32b,
     deepseek-v3.2, dsmla-27b; null to give all dimensions explicitly."""
-    image: str = Field(default="ghcr.io/dualpath/dualpath:0.1.0", min_length=1)
-    """Container image of every DualPath process."""
+    image: str = Field(default=default_image(), min_length=1)
+    """Container image of every DualPath process (vLLM workers: workers.vllm.image)."""
     checkpoint_path: str | None = None
     """Local dir with config.json + *.safetensors (Llama/Qwen2); unset: random weights."""
+    volume: Annotated[dict[str, Any] | None, WithJsonSchema(_volume_schema())] = None
+    """Kubernetes volume source holding the checkpoint, mounted read-only at checkpointPath in
+    the worker and frontend pods (the frontend reads its tokenizer): exactly one of
+    persistentVolumeClaim, nfs, hostPath, csi, cephfs, glusterfs, azureFile, ephemeral,
+    emptyDir; unset: the checkpoint is in the image (or there is none)."""
     attention: Literal["gqa", "mla"] = "gqa"
     """gqa (grouped-query, K and V cached) or mla (DeepSeek latent cached). Default: the
     preset's."""
@@ -208,6 +282,17 @@ class ModelSpec(_Model):
             merged[field] = value
         merged["preset"] = preset
         return merged
+
+    @field_validator("volume")
+    @classmethod
+    def _one_source(cls, volume: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_volume_source(volume, "model.volume")
+
+    @model_validator(mode="after")
+    def _volume_needs_a_path(self) -> ModelSpec:
+        if self.volume is not None and not self.checkpoint_path:
+            raise ValueError(MODEL_VOLUME_MESSAGE)
+        return self
 
     @model_validator(mode="after")
     def _check_dims(self) -> ModelSpec:
@@ -402,7 +487,9 @@ class PoolSpec(_Model):
     """One role's pool of worker pods (prefill or decode)."""
 
     replicas: int = Field(default=1, ge=0, le=4096)
-    """Worker pods of this role; scale with `kubectl scale dualpathpool/<name>-<role>`."""
+    """Worker pods of this role when its pool is created; after that the DualPathPool owns the
+    count (scale with `kubectl scale dualpathpool/<name>-<role>` or an HPA) and an edit here
+    scales nothing."""
     gpus_per_pod: int = Field(default=0, ge=0, le=16)
     """nvidia.com/gpu per worker pod (0: CPU)."""
     image: str | None = Field(default=None, min_length=1)
@@ -418,48 +505,6 @@ class PoolSpec(_Model):
     """KV host buffer per node (decode: the path-D staging buffer; prefill: the load buffer)."""
     prefill_tokens_per_s: int = Field(default=0, ge=0)
     """Local emulation / simulator: prefill throughput of one node (tokens/s); 0: unknown."""
-
-
-# The volume sources a KV directory can live on, with the keys each one needs.
-VOLUME_SOURCES: dict[str, tuple[str, ...]] = {
-    "persistentVolumeClaim": ("claimName",),
-    "nfs": ("server", "path"),
-    "hostPath": ("path",),
-    "csi": ("driver",),
-    "cephfs": ("monitors",),
-    "glusterfs": ("endpoints", "path"),
-    "azureFile": ("secretName", "shareName"),
-    "ephemeral": (),
-    "emptyDir": (),
-}
-
-
-def _volume_schema() -> dict[str, Any]:
-    def source(name: str, needs: tuple[str, ...]) -> dict[str, Any]:
-        node: dict[str, Any] = {
-            "type": "object",
-            "description": f"A Kubernetes {name} volume source (as in a pod's volumes).",
-            "x-kubernetes-preserve-unknown-fields": True,
-        }
-        if needs:
-            node["required"] = list(needs)
-            node["properties"] = {
-                k: {
-                    "type": "array" if k == "monitors" else "string",
-                    "description": f"{k} of the {name} source",
-                }
-                | ({"items": {"type": "string"}} if k == "monitors" else {})
-                for k in needs
-            }
-        return node
-
-    return {
-        "type": "object",
-        "nullable": True,
-        "minProperties": 1,
-        "maxProperties": 1,
-        "properties": {k: source(k, needs) for k, needs in VOLUME_SOURCES.items()},
-    }
 
 
 class StorageSpec(_Model):
@@ -499,27 +544,11 @@ class StorageSpec(_Model):
     @field_validator("volume")
     @classmethod
     def _one_source(cls, volume: dict[str, Any] | None) -> dict[str, Any] | None:
-        if volume is None:
-            return None
-        if len(volume) != 1 or next(iter(volume)) not in VOLUME_SOURCES:
-            raise ValueError(f"{VOLUME_MESSAGE} (got {sorted(volume)})")
-        kind, source = next(iter(volume.items()))
-        if not isinstance(source, dict):
-            raise ValueError(f"{kind} must be a mapping")
-        missing = [k for k in VOLUME_SOURCES[kind] if k not in source]
-        if missing:
-            raise ValueError(f"{kind} needs {', '.join(missing)}")
-        for key in VOLUME_SOURCES[kind]:  # typed as in _volume_schema
-            want = list if key == "monitors" else str
-            if not isinstance(source[key], want):
-                raise ValueError(f"{kind}.{key} must be a {'list' if want is list else 'string'}")
-        return volume
+        return check_volume_source(volume, "storage.volume")
 
 
 STORAGE_PATH_MESSAGE = "storage.path must be an absolute path: it is the mount path in every pod"
-VOLUME_MESSAGE = "storage.volume must have exactly one volume source, one of " + ", ".join(
-    VOLUME_SOURCES
-)
+VOLUME_MESSAGE = volume_message("storage.volume")
 
 
 class TrafficClassSpec(_Model):
@@ -635,14 +664,13 @@ class NetworkSpec(_Model):
     """NetworkPolicies: who may reach the scheduler, the workers, the frontend and metrics."""
 
 
-# The scheduler's policy registry is the one list of names; the enum (and so the CRD's) is
-# built from it: DUALPATH, PREFILL_READ, DECODE_READ, ROUND_ROBIN.
-PolicyName = Enum(
-    "PolicyName",
-    {name.upper().replace("-", "_"): name for name in POLICY_NAMES},
-    type=str,
-    module=__name__,
-)
+# The one list of policy names (the CRD's enum); the scheduler's registry
+# (`scheduler.policy.POLICIES`) maps each to its class and fails to import if one is missing.
+class PolicyName(str, Enum):
+    DUALPATH = "dualpath"
+    PREFILL_READ = "prefill-read"
+    DECODE_READ = "decode-read"
+    ROUND_ROBIN = "round-robin"
 
 
 class SchedulerSpec(_Model):
@@ -740,6 +768,21 @@ class FrontendSpec(_Model):
         return self
 
 
+VLLM_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class VllmSpec(_Model):
+    """The pods of vLLM workers (`workers.engine: vllm`): each runs `dualpath worker`, which
+    serves on its own `vllm serve` child with the DualPath KV connector (docs/vllm.md)."""
+
+    image: str = Field(default=default_image("vllm"), min_length=1)
+    """Image of the vLLM worker pods: the dualpath image built with ENGINE=vllm (vLLM added); a
+    pool's image overrides it."""
+    cache_bytes: int = Field(default=8 << 30, ge=1 << 20)
+    """Size limit of a vLLM pod's writable cache (an emptyDir: vLLM's, torch.compile's and
+    Triton's caches); the root filesystem is read-only."""
+
+
 class WorkersSpec(_Model):
     """How every worker process (both pools) starts, bounds its waits and drains."""
 
@@ -767,6 +810,8 @@ class WorkersSpec(_Model):
     """Run worker containers as uid 65532; unset: non-root unless they request RDMA devices
     (network.rdma.count > 0), where IPC_LOCK, which pins the KV buffer, only takes effect for
     root. Non-root with RDMA needs the runtime's memlock ulimit raised (checked at start-up)."""
+    vllm: VllmSpec = VllmSpec()
+    """vLLM worker pods (engine vllm): image and writable cache."""
 
     @model_validator(mode="after")
     def _request_covers_transfer(self) -> WorkersSpec:
@@ -805,6 +850,15 @@ class ClusterSpec(_Model):
                 "decode.replicas must be at least 1 when prefill.replicas > 0: prefill hands "
                 "every request's KV to a decode node"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_dtype(self) -> ClusterSpec:
+        # No checkpointPath is not refused here: `dualpath up --engine vllm` writes one after
+        # parsing; the CRD refuses it for the operator (VLLM_MODEL_MESSAGE) and the worker at
+        # start.
+        if self.workers.engine == "vllm" and self.model.dtype not in VLLM_DTYPES:
+            raise ValueError(VLLM_DTYPE_MESSAGE)
         return self
 
     def pool(self, role: Role | str) -> PoolSpec:
@@ -855,6 +909,15 @@ class ClusterConfig(BaseModel):
             "spec": self.spec.model_dump(mode="json", by_alias=True, exclude_defaults=False),
         }
 
+
+VLLM_MODEL_MESSAGE = (
+    "workers.engine vllm needs model.checkpointPath (vLLM serves a checkpoint; the frontend "
+    "tokenizes with its tokenizer.json): a directory in the image, or on model.volume"
+)
+VLLM_DTYPE_MESSAGE = (
+    "workers.engine vllm serves model.dtype float16, bfloat16 or float32; for an fp8 KV cache "
+    "keep the weights' dtype and add --kv-cache-dtype fp8 to workers.vllm.extraArgs"
+)
 
 NAME_MESSAGE = (
     f"must be a DNS-1035 label (lowercase letters, digits and '-', starting with "

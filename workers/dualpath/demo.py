@@ -18,9 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dualpath.local import bench
+    from dualpath.local import bench_cli
 
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     ns = parser.parse_args(["--out", args.out, "--plot", f"{args.out}/local.png"])
-    return bench.run(ns)
+    return bench_cli.run(ns)

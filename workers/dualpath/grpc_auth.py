@@ -15,7 +15,7 @@ check keeps an alive node id from a second process.
 
 Rotation without a restart: the file holds one token a line. Servers accept every line, clients
 present the first; the file is re-read when it changes (the kubelet swaps a mounted Secret in
-place), as the frontend's API keys are (`frontend/auth.py`, whose file handling this reuses).
+place), as the frontend's API keys are (both read by `keyfile.py`).
 Rotate by adding the new token as a second line, then (once every pod has the file) moving it
 first, then removing the old one.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import Counter
 
-from dualpath.frontend.auth import ApiKeys, ApiKeysError
+from dualpath.keyfile import KeyFile, KeyFileError
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +54,17 @@ REFUSED = Counter(
 )
 
 
-class TokenError(ApiKeysError):
+class TokenError(KeyFileError):
     """The token file cannot be used; the message names the flag and path."""
 
 
-class ClusterToken(ApiKeys):
+class ClusterToken(KeyFile):
     """The current token(s) of a file, re-read when it changes."""
 
     def __init__(self, path: str | Path, recheck_s: float = 1.0, **kw) -> None:
         try:
             super().__init__(path, recheck_s, flag="--token-file", **kw)
-        except ApiKeysError as err:
+        except KeyFileError as err:
             raise TokenError(str(err)) from None
 
     def accepts(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:

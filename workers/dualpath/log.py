@@ -1,20 +1,46 @@
-"""Logging set-up shared by every process: one line per meaningful event."""
+"""Logging set-up shared by every process: one line per meaningful event; and what a process
+says it is (`name_process`: its title in ps and pgrep, and its log prefix)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
+
+PR_SET_NAME = 15  # prctl(2): the thread's 15-byte name (what ps -o comm shows)
+
+
+def _format(name: str) -> str:
+    return f"%(asctime)s %(levelname).1s {name} %(name)s: %(message)s"
 
 
 def setup_logging(level: str = "INFO", component: str | None = None) -> None:
     name = component or os.environ.get("DUALPATH_COMPONENT", "dualpath")
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname).1s {name} %(name)s: %(message)s",
+        format=_format(name),
         stream=sys.stderr,
         force=True,
     )
+
+
+def name_process(name: str) -> str:
+    """Say what this process is: its title becomes `dualpath <name>` (ps, top, pgrep -f: a
+    worker restarted by `dualpath up` is forked from the zygote, whose command line would
+    otherwise read `python -m dualpath.local.zygote N` for every role) and its log lines carry
+    `name` (`decode:decode-1`, `scheduler`). Returns the title."""
+    title = f"dualpath {name}"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # the thread name at least (15 bytes): ps -o comm, pgrep without -f
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(_format(name)))
+    return title
 
 
 def quiet_nixl_logs() -> None:

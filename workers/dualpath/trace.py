@@ -414,6 +414,57 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
     }
 
 
+def turn_counts(trajectories: list[Trajectory], block_tokens: int = 64) -> dict[str, int]:
+    """What kind of turn each turn is, counted: one definition for `dualpath trace stats` and
+    the importers' meta line (`trace_import`), over sessions and subagents alike.
+
+    - first turns (turn 0 of a session or subagent): `first_turns_prefix_hit` (some leading
+      blocks already stored: a shared system/tool prefix, or a parent's blocks) or
+      `first_turns_full_miss`;
+    - `partial_hit_turns`: a later turn that hits less than it would if everything before it
+      (previous prompt + output, in whole blocks) were stored and re-sent verbatim;
+    - `negative_append_turns`: a later turn whose prompt is shorter than the context before it
+      (previous prompt + output). Two kinds: `compacted_turns`, shorter than the previous
+      prompt itself (the client compacted or restarted the history), and
+      `output_trimmed_turns`, at least the previous prompt but not all of its output (the
+      client re-sent the previous answer shortened, e.g. without its thinking blocks)."""
+    c = dict.fromkeys(
+        (
+            "turns",
+            "first_turns",
+            "first_turns_prefix_hit",
+            "first_turns_full_miss",
+            "partial_hit_turns",
+            "negative_append_turns",
+            "compacted_turns",
+            "output_trimmed_turns",
+        ),
+        0,
+    )
+    for root in trajectories:
+        for tr in root.walk():
+            ctx = tr.first_tokens
+            prev_prompt = 0
+            for i, t in enumerate(tr.turns):
+                prompt = t.prompt(ctx)
+                stored = (ctx // block_tokens) * block_tokens if i else 0
+                hit = t.hit(stored, prompt)
+                c["turns"] += 1
+                if i == 0:
+                    c["first_turns"] += 1
+                    c["first_turns_prefix_hit" if hit > 0 else "first_turns_full_miss"] += 1
+                else:
+                    c["partial_hit_turns"] += hit < min(stored, prompt - 1)
+                    if prompt < ctx:
+                        c["negative_append_turns"] += 1
+                        c[
+                            "compacted_turns" if prompt < prev_prompt else "output_trimmed_turns"
+                        ] += 1
+                prev_prompt = prompt
+                ctx = prompt + t.gen_tokens
+    return c
+
+
 def describe(trajectories: list[Trajectory], block_tokens: int = 64) -> dict[str, object]:
     """Distributions of a trace (what `dualpath trace stats` prints): per-turn prompt, appended,
     generated and hit tokens, think times, turns per session, subagents."""
@@ -422,7 +473,7 @@ def describe(trajectories: list[Trajectory], block_tokens: int = 64) -> dict[str
     gens: list[float] = []
     thinks: list[float] = []
     hit_frac: list[float] = []
-    hits = prompt_sum = partial = full_miss_first = shared_first = over = 0
+    hits = prompt_sum = over = 0
     per_session: list[float] = []
     subagents = 0
     for root in trajectories:
@@ -442,31 +493,23 @@ def describe(trajectories: list[Trajectory], block_tokens: int = 64) -> dict[str
                 hit_frac.append(hit / prompt)
                 hits += hit
                 prompt_sum += prompt
-                if i and hit < min(stored, prompt - 1):
-                    partial += 1
-                if i == 0:
-                    full_miss_first += hit == 0
-                    shared_first += hit > 0
                 over += prompt > 131_072
                 ctx = prompt + t.gen_tokens
                 n += 1
         per_session.append(n)
-    turns = len(prompts)
+    counts = turn_counts(trajectories, block_tokens)
     return {
         "sessions": len(trajectories),
         "subagents": subagents,
-        "turns": turns,
+        "turns": len(prompts),
         "turns_per_session": _quantiles(per_session),
         "prompt_tokens": _quantiles(prompts),
         "append_tokens": _quantiles(appends),
-        "negative_append_turns": sum(1 for a in appends if a < 0),
         "output_tokens": _quantiles(gens),
         "think_s": _quantiles(thinks),
         "hit_ratio_tokens": round(hits / max(prompt_sum, 1), 4),
         "hit_ratio_per_turn": _quantiles(hit_frac),
-        "partial_hit_turns": partial,
-        "first_turns_full_miss": full_miss_first,
-        "first_turns_shared_prefix_hit": shared_first,
+        **{k: v for k, v in counts.items() if k != "turns"},
         "turns_over_128k": over,
         "total_prompt_tokens": prompt_sum,
         "total_output_tokens": int(sum(gens)),

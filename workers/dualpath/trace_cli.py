@@ -82,7 +82,11 @@ def _print(meta: dict[str, Any], d: dict[str, Any]) -> None:
     )
     print(f"  turns/session   {_fmt(d['turns_per_session'])}")
     print(f"  prompt tokens   {_fmt(d['prompt_tokens'])}  ({d['turns_over_128k']} turns > 128K)")
-    print(f"  append tokens   {_fmt(d['append_tokens'])}  ({d['negative_append_turns']} negative)")
+    print(
+        f"  append tokens   {_fmt(d['append_tokens'])}  ({d['negative_append_turns']} negative: "
+        f"{d['compacted_turns']} compacted below the previous prompt, "
+        f"{d['output_trimmed_turns']} re-sent the previous output shortened)"
+    )
     print(f"  output tokens   {_fmt(d['output_tokens'])}")
     t = d["think_s"]
     if t.get("n"):
@@ -90,13 +94,20 @@ def _print(meta: dict[str, Any], d: dict[str, Any]) -> None:
             f"  think s         p50 {t['p50']:.1f}  p90 {t['p90']:.1f}  p99 {t['p99']:.1f}  "
             f"max {t['max']:.0f}"
         )
+    inf = meta.get("inferred") or {}
+    shared = inf.get("shared_prefix_turns")
     print(
         f"  hit ratio       {d['hit_ratio_tokens']:.4f} of prompt tokens; "
-        f"{d['partial_hit_turns']} partial-hit turns; first turns: "
-        f"{d['first_turns_shared_prefix_hit']} hit a shared prefix, "
-        f"{d['first_turns_full_miss']} miss"
+        f"{d['partial_hit_turns']} partial-hit turns; first turns (sessions and subagents): "
+        f"{d['first_turns_prefix_hit']} hit a prefix"
+        + (f" ({shared} given the shared system+tool prefix by the import)" if shared else "")
+        + f", {d['first_turns_full_miss']} miss"
     )
-    inf = meta.get("inferred")
+    at_import = meta.get("counts")
+    if at_import:
+        differ = {k: (v, d.get(k)) for k, v in at_import.items() if k != "turns" and d.get(k) != v}
+        if differ:
+            print(f"  differs from the import's counts (file edited?): {differ}")
     if inf:
         said = ", ".join(f"{k}={v}" for k, v in inf.items() if v)
         print(f"  inferred        {said or 'nothing'}")

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dualpath.trace import Trajectory, Turn
+from dualpath.trace import Trajectory, Turn, turn_counts
 
 FORMATS = ("claude-code", "mooncake")
 
@@ -54,7 +54,10 @@ class Inferred:
 
     turns: int = 0
     output_assumed_stored: int = 0  # turns whose hit includes the previous output's blocks
-    partial_hits: int = 0  # turns that extend less than the previous prompt (compaction/re-send)
+    # Turns whose blocks do not extend the previous request's completely (compaction, a
+    # re-send): their hit is only what the ids say, no output assumed stored. Not the
+    # partial-hit count (`meta["counts"]`, `trace.turn_counts`): such a turn may still hit all.
+    not_extending: int = 0
     shared_prefix_turns: int = 0  # first turns given a shared system/tool prefix hit
     subagents: int = 0
     subagent_start_inferred: int = 0
@@ -118,7 +121,7 @@ def _hit_tokens(
                 hit = grown
                 inf.output_assumed_stored += 1
         else:
-            inf.partial_hits += 1
+            inf.not_extending += 1
     return max(0, min(hit, prompt - 1))
 
 
@@ -344,5 +347,7 @@ def import_paths(
         "sessions": len(trs),
         "shared_prefix": shared_prefix if fmt == "claude-code" else "global ids",
         "inferred": inf.as_dict(),
+        # The same counts as `dualpath trace stats` of the written file (one definition).
+        "counts": turn_counts(trs, block),
     }
     return trs, meta

@@ -6,12 +6,12 @@ prints, so the two can never differ.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 from dualpath.config import API_VERSION_FULL, ClusterConfig, Role
 
-from ..scaling import SYNCED_REPLICAS
 from .common import CLUSTER_LABEL, CONFIG_HASH_KEY, child_name, labels, metadata, owner_reference
 from .netpol import network_policies
 from .pods import token_secret_name
@@ -70,27 +70,41 @@ def token_secret(cfg: ClusterConfig, owner: dict | None, token: str) -> dict[str
 
 def pool(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
     """Per-role scaling handle: `kubectl scale dualpathpool/<c>-prefill` and HPAs target it.
-    The annotation is the count pool and cluster spec last agreed on (see `scaling.py`)."""
-    replicas = cfg.spec.pool(role).replicas
-    meta = metadata(cfg, child_name(cfg, role.value), role.value, owner)
-    meta["annotations"] = {SYNCED_REPLICAS: str(replicas)}
+    As created: its count is the cluster spec's initial one; after that the pool owns it
+    (`pool_for_apply`, `scaling.py`)."""
     return {
         "apiVersion": API_VERSION_FULL,
         "kind": POOL_KIND,
-        "metadata": meta,
-        "spec": {"cluster": cfg.name, "role": role.value, "replicas": replicas},
+        "metadata": metadata(cfg, child_name(cfg, role.value), role.value, owner),
+        "spec": {
+            "cluster": cfg.name,
+            "role": role.value,
+            "replicas": cfg.spec.pool(role).replicas,
+        },
     }
 
 
-def render(cfg: ClusterConfig, owner: dict | None = None) -> list[dict[str, Any]]:
-    """Every child of one DualPathCluster, in apply order."""
+def pool_for_apply(obj: dict[str, Any]) -> dict[str, Any]:
+    """A rendered pool as every pass applies it: without `spec.replicas`, the one field people
+    and HPAs write, so the operator's field manager never owns it (it sets it only on create)."""
+    spec = {k: v for k, v in obj["spec"].items() if k != "replicas"}
+    return {**obj, "spec": spec}
+
+
+def render(
+    cfg: ClusterConfig,
+    owner: dict | None = None,
+    replicas: Mapping[str, int] | None = None,
+) -> list[dict[str, Any]]:
+    """Every child of one DualPathCluster, in apply order. `replicas`: each worker
+    StatefulSet's count (the pools' counts); without it, the cluster spec's initial ones."""
     out: list[dict[str, Any]] = [config_map(cfg, owner), qos_config_map(cfg, owner)]
     out += network_policies(cfg, owner)  # before the pods: none runs unprotected
     out += scheduler_objects(cfg, owner)
     for role in (Role.PREFILL, Role.DECODE):
         out += [
             worker_service(cfg, role, owner),
-            worker_statefulset(cfg, role, owner),
+            worker_statefulset(cfg, role, owner, (replicas or {}).get(role.value)),
             worker_pdb(cfg, role, owner),
             pool(cfg, role, owner),
         ]
@@ -110,6 +124,7 @@ __all__ = [
     "opensm_qos_policy",
     "owner_reference",
     "pool",
+    "pool_for_apply",
     "qos_env",
     "render",
     "token_secret",

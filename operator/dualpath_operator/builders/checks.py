@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dualpath.config import ClusterConfig
+from dualpath.config import VLLM_MODEL_MESSAGE, ClusterConfig
 
 
 def spec_warnings(cfg: ClusterConfig) -> list[str]:
@@ -20,4 +20,7 @@ def spec_warnings(cfg: ClusterConfig) -> list[str]:
         )
     if s.network.rdma.count == 0:
         out.append("network.rdma.count is 0: KV transfers fall back to TCP")
+    if s.workers.engine == "vllm" and not s.model.checkpoint_path:
+        # the CRD refuses it; a cluster admitted by an older CRD gets here
+        out.append(VLLM_MODEL_MESSAGE + "; the workers cannot start vLLM without it")
     return out

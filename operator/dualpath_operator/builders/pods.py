@@ -1,4 +1,5 @@
-"""Pod templates of every DualPath process: one `dualpath` image, one command per role.
+"""Pod templates of every DualPath process: one `dualpath` image, one command per role (vLLM
+workers, `spec.workers.engine: vllm`: the same `dualpath worker` command in the vLLM image).
 
 The command, arguments and process environment come from `dualpath.process.process_command`
 (the function `dualpath up` uses too); this module adds what a pod needs around them: the pod's
@@ -42,6 +43,9 @@ NON_ROOT_UID = 65532
 PROBE_PERIOD_SECONDS = 5
 # /livez answers within 2 s (it checks the event loop); the probe waits a little longer.
 LIVENESS_TIMEOUT_SECONDS = 5
+# A vLLM worker's writable cache (the root filesystem is read-only): HOME, vLLM's,
+# torch.compile's and Triton's caches; its `vllm serve` child inherits the environment.
+VLLM_CACHE_MOUNT = "/var/cache/dualpath-vllm"
 
 
 def _downward_env() -> list[dict[str, Any]]:
@@ -199,6 +203,52 @@ def _token_volume(cfg: ClusterConfig) -> dict[str, Any]:
     return {"name": "cluster-token", "secret": {"secretName": token_secret_name(cfg)}}
 
 
+def _model_mounts(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    """`spec.model.volume`, read-only at the checkpoint path, where the checkpoint is read:
+    the workers load the weights, the frontend its tokenizer."""
+    model = cfg.spec.model
+    if model.volume is None or component is Component.SCHEDULER:
+        return []
+    return [{"name": "model", "mountPath": model.checkpoint_path, "readOnly": True}]
+
+
+def _model_volumes(cfg: ClusterConfig, component: Component) -> list[dict[str, Any]]:
+    if not _model_mounts(cfg, component):
+        return []
+    return [{"name": "model", **(cfg.spec.model.volume or {})}]
+
+
+def _engine_extras(cfg: ClusterConfig) -> tuple[list, list, list]:
+    """(env, volume mounts, volumes) a worker's engine adds: vLLM's writable cache."""
+    if cfg.spec.workers.engine != "vllm":
+        return [], [], []
+    env = [
+        {"name": k, "value": v}
+        for k, v in (
+            ("HOME", VLLM_CACHE_MOUNT),
+            ("XDG_CACHE_HOME", VLLM_CACHE_MOUNT),
+            ("VLLM_CACHE_ROOT", f"{VLLM_CACHE_MOUNT}/vllm"),
+            ("TRITON_CACHE_DIR", f"{VLLM_CACHE_MOUNT}/triton"),
+            # no usage reports from inside a cluster (they would leave through the open egress)
+            ("VLLM_NO_USAGE_STATS", "1"),
+            ("DO_NOT_TRACK", "1"),
+        )
+    ]
+    size = str(cfg.spec.workers.vllm.cache_bytes)
+    return (
+        env,
+        [{"name": "vllm-cache", "mountPath": VLLM_CACHE_MOUNT}],
+        [{"name": "vllm-cache", "emptyDir": {"sizeLimit": size}}],
+    )
+
+
+def worker_image(cfg: ClusterConfig, role: Role) -> str:
+    """The pool's image, else the engine's: `model.image`, or `workers.vllm.image`."""
+    spec = cfg.spec
+    engine_image = spec.workers.vllm.image if spec.workers.engine == "vllm" else spec.model.image
+    return spec.pool(role).image or engine_image
+
+
 def _storage_volume(cfg: ClusterConfig) -> dict[str, Any]:
     # A shared filesystem (3FS FUSE, NFS, CephFS, Lustre) via the given volume source;
     # without one each pod gets a scratch dir (reported as a warning condition).
@@ -222,9 +272,10 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
     annotations = {CONFIG_HASH_KEY: cfg.config_hash}
     if net.multus_networks:
         annotations["k8s.v1.cni.cncf.io/networks"] = ",".join(net.multus_networks)
+    engine_env, engine_mounts, engine_volumes = _engine_extras(cfg)
     container = {
         "name": role.value,
-        "image": pool.image or spec.model.image,
+        "image": worker_image(cfg, role),
         "imagePullPolicy": "IfNotPresent",
         **_container_command(cfg, comp),
         "ports": [
@@ -240,10 +291,12 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             _tmp_mount(),
             _token_mount(),
             *_storage_mounts(cfg, comp),
+            *_model_mounts(cfg, comp),
+            *engine_mounts,
         ],
         **worker_probes(cfg),
     }
-    container["env"] += qos_env(net)
+    container["env"] += [*qos_env(net), *engine_env]
     pod_spec: dict[str, Any] = {
         **pod_security(),
         "containers": [container],
@@ -256,6 +309,8 @@ def worker_pod_template(cfg: ClusterConfig, role: Role) -> dict[str, Any]:
             _tmp_volume(),
             _token_volume(cfg),
             *([_storage_volume(cfg)] if _storage_mounts(cfg, comp) else []),
+            *_model_volumes(cfg, comp),
+            *engine_volumes,
         ],
     }
     if pool.node_selector:
@@ -305,6 +360,7 @@ def control_pod_template(
             _token_mount(),
             *_api_keys_mounts(cfg, component),
             *_storage_mounts(cfg, component),
+            *_model_mounts(cfg, component),
         ],
         **probes,
         "securityContext": container_security(non_root=True),
@@ -323,6 +379,7 @@ def control_pod_template(
                 _token_volume(cfg),
                 *_api_keys_volumes(cfg, component),
                 *([_storage_volume(cfg)] if _storage_mounts(cfg, component) else []),
+                *_model_volumes(cfg, component),
             ],
         },
     }

@@ -35,13 +35,17 @@ def worker_service(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[s
     }
 
 
-def worker_statefulset(cfg: ClusterConfig, role: Role, owner: dict | None) -> dict[str, Any]:
+def worker_statefulset(
+    cfg: ClusterConfig, role: Role, owner: dict | None, replicas: int | None = None
+) -> dict[str, Any]:
+    """`replicas`: the pool's count (the one owner after creation, see `scaling.py`); None for
+    the cluster spec's initial count (`dualpath render`, a pool not created yet)."""
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": metadata(cfg, child_name(cfg, role.value), role.value, owner),
         "spec": {
-            "replicas": cfg.spec.pool(role).replicas,
+            "replicas": cfg.spec.pool(role).replicas if replicas is None else replicas,
             "serviceName": child_name(cfg, role.value),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(cfg, role.value)},

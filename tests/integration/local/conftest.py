@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from dualpath.local import bench
+from dualpath.local import bench_cli
 from tiny_configs import tiny_local, write_config
 
 
@@ -17,7 +17,7 @@ def bench_args(tmp_path: Path) -> Callable[..., argparse.Namespace]:
     `--out tmp_path/out`, `--json`, then the test's own."""
     cfg_file = write_config(tiny_local(buffer_bytes=16 << 20), tmp_path / "c.yaml")
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
 
     def parse(*argv: str) -> argparse.Namespace:
         return parser.parse_args(

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dualpath.local import bench
+from dualpath.local import bench_cli
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ def test_bench_local_runs_both_policies_from_one_seed(tmp_path: Path, capsys, be
         *["--agents", "2", "--turns", "3", "--first-tokens", "96", "--append-tokens", "8"],
         *["--gen-tokens", "2", "--snic-gbps", "1", "--plot", str(tmp_path / "p.png")],
     )
-    assert bench.run(args) == 0
+    assert bench_cli.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["same_greedy_answers"] and doc["ratio"] is not None
     runs = doc["policies"]

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dualpath.local import bench, online
+from dualpath.local import bench, bench_cli, online
 
 
 def _turn(ttft: float, latency: float, gen: int, ok: bool = True) -> bench.TurnResult:
@@ -37,7 +37,7 @@ def _run(tmp_path: Path, capsys, bench_args, *extra: str) -> dict:
         *["--first-tokens", "96", "--append-tokens", "8", "--gen-tokens", "3"],
         *["--plot", str(tmp_path / "p.png"), *extra],
     )
-    assert bench.run(args) == 0
+    assert bench_cli.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["sla_s"] > 0 and set(doc["sustained_rate_per_s"]) == {"prefill-read", "dualpath"}
     assert set(doc["unloaded_ttft_p50_s"]) == {"prefill-read", "dualpath"}

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from dualpath.local.supervisor import ProcSpec, StartError, Supervisor, free_port
@@ -246,6 +247,9 @@ def test_a_restart_forks_from_the_zygote_with_its_imports_done_and_stops_clean()
         took = time.monotonic() - t0
         assert took < 30, took  # no import: the fork only starts the server
         assert "READY scheduler" in sink.getvalue().split("scheduler serving")[-1]
+        # the fork says what it is (its command line was the zygote's)
+        assert _cmdline(forked.pid).startswith("dualpath scheduler"), _cmdline(forked.pid)
+        assert "dualpath.local.zygote" in _cmdline(zygote.proc.pid)
         os.kill(forked.pid, 9)  # its exit is reported through the zygote
         assert _wait_for(lambda: forked.poll() == -9, 10)
         assert not sup.heal()
@@ -255,3 +259,7 @@ def test_a_restart_forks_from_the_zygote_with_its_imports_done_and_stops_clean()
         pids = [again.pid, zygote.proc.pid]
     assert again.poll() is not None  # stopped by SIGTERM through the zygote's report
     assert _wait_for(lambda: not any(_alive(p) for p in pids), 10)
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()

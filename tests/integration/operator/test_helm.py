@@ -209,3 +209,18 @@ def test_podmonitor_selects_every_data_plane_pod_the_operator_renders(tools):
         assert labels[expr["key"]] in expr["values"]
         (container,) = t["spec"]["containers"]
         assert ports & {p["name"] for p in container["ports"]}, labels
+
+
+def test_the_operator_image_defaults_to_the_release_image_and_follows_values(tools):
+    """The chart's default image is the one source's (`dualpath.default_image()`), and a
+    team's registry and tag replace it (docs/image.md)."""
+    from dualpath import default_image
+
+    def operator_image(*values):
+        out = helm(tools, "template", "rel", str(CHART), *values)
+        dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    assert operator_image() == default_image()
+    own = ["--set", "image.repository=registry.example.com/ml/dualpath", "--set", "image.tag=abc"]
+    assert operator_image(*own) == "registry.example.com/ml/dualpath:abc"

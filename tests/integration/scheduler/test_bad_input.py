@@ -58,10 +58,15 @@ REGISTER_CASES = [
 
 @pytest.mark.parametrize(("fields", "name"), ROUTE_CASES)
 async def test_route_refuses_out_of_range_fields(stub, fields, name) -> None:
+    from prometheus_client import REGISTRY
+
+    labels = {"component": "scheduler", "method": "Route", "field": f"RouteRequest.{name}"}
+    before = REGISTRY.get_sample_value("dualpath_grpc_invalid_argument_total", labels) or 0.0
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Route(pb.RouteRequest(**{**GOOD_ROUTE, **fields}), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert name in err.value.details()
+    assert REGISTRY.get_sample_value("dualpath_grpc_invalid_argument_total", labels) == before + 1
 
 
 @pytest.mark.parametrize(("fields", "name"), REGISTER_CASES)
@@ -101,3 +106,45 @@ async def test_heartbeat_refuses_out_of_range_loads(stub, beat, name) -> None:
     assert name in err.value.details()
     view = await stub.ClusterView(pb.ClusterViewRequest(), timeout=5)
     assert [n.load.tokens_queued for n in view.nodes] == [0]  # the bad load was not taken
+
+
+BOUND_CASES = [  # (method, request, the field named): every string and repeated field is bounded
+    ("Register", pb.RegisterRequest(**{**GOOD_REG, "node_id": "n" * (1 << 20)}), "node_id"),
+    ("Register", pb.RegisterRequest(**{**GOOD_REG, "config_hash": "h" * 513}), "config_hash"),
+    ("Route", pb.RouteRequest(**GOOD_ROUTE, session_id="s" * 600), "session_id"),
+    ("Route", pb.RouteRequest(**GOOD_ROUTE, exclude_nodes=["d"] * 5000), "exclude_nodes"),
+    ("Complete", pb.CompleteRequest(request_id="r" * 4096), "request_id"),
+    ("Drain", pb.DrainRequest(node_id="n" * 4096), "node_id"),
+    ("KvEvents", pb.KvEventBatch(node_id="n", seq=1, epoch="e" * 999), "epoch"),
+]
+
+
+@pytest.mark.parametrize(("method", "request_", "field"), BOUND_CASES)
+async def test_every_rpc_refuses_a_field_over_its_bound_by_name(stub, method, request_, field):
+    from prometheus_client import REGISTRY
+
+    def count() -> float:
+        labels = {
+            "component": "scheduler",
+            "method": method,
+            "field": f"{type(request_).__name__}.{field}",
+        }
+        return REGISTRY.get_sample_value("dualpath_grpc_invalid_argument_total", labels) or 0.0
+
+    before = count()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await getattr(stub, method)(request_, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{type(request_).__name__}.{field}" in caught.value.details()
+    assert count() == before + 1
+    view = await stub.ClusterView(pb.ClusterViewRequest(), timeout=10)
+    assert not view.nodes  # no registration got through
+
+
+async def test_a_stream_message_over_its_bound_ends_the_stream_by_name(stub) -> None:
+    call = stub.Heartbeats(timeout=10)
+    await call.write(pb.Heartbeat(node_id="n" * 100_000))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Heartbeat.node_id" in caught.value.details()

@@ -10,6 +10,7 @@ from dualpath import config
 from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import BackendError, Finished, Routed, Tokens, TurnRequest
 from dualpath.frontend.grpc_backend import GrpcBackend
+from dualpath.sampling import SamplingParams
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
 from dualpath.scheduler.policy import NodeLoad
@@ -99,7 +100,9 @@ async def _ready(addr, n):
 
 async def _turn(backend, i, tokens=4):
     events = []
-    async for ev in backend.generate(TurnRequest(f"t{i}", f"s{i}", [7] * 70, tokens)):
+    async for ev in backend.generate(
+        TurnRequest(f"t{i}", f"s{i}", [7] * 70, SamplingParams(max_tokens=tokens))
+    ):
         events.append(ev)
     return events
 
@@ -146,7 +149,9 @@ async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(cluster, 
     events = []
     try:
         with pytest.raises(BackendError, match=error):
-            async for ev in backend.generate(TurnRequest("t", "s", [7] * 70, 8)):
+            async for ev in backend.generate(
+                TurnRequest("t", "s", [7] * 70, SamplingParams(max_tokens=8))
+            ):
                 events.append(ev)
         assert not any(isinstance(e, Finished) for e in events)
         assert [e.ids for e in events if isinstance(e, Tokens)] == [[5], [6]]  # not retried

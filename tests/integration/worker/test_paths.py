@@ -27,6 +27,7 @@ from dualpath.kv.backend import PreadvBackend  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from dualpath.worker.wire import BadField, chunk_to_pb, generate_from_pb  # noqa: E402
 from dualpath_proc import spawn_ready  # noqa: E402
 from tiny_configs import pools, tiny_cluster, write_config  # noqa: E402
 
@@ -72,6 +73,13 @@ async def decode(cluster):
 
 
 def _request(cfg, address, rid, prompt, hit, path, max_new=6, salt=b""):
+    """A turn as the decode servicer hands it to the role (through the wire's checks)."""
+    return generate_from_pb(
+        _message(address, rid, prompt, hit, path, max_new, salt), cfg.spec.model
+    )
+
+
+def _message(address, rid, prompt, hit, path, max_new=6, salt=b""):
     return wpb.GenerateRequest(
         cache_salt=salt,
         request_id=rid,
@@ -85,7 +93,7 @@ def _request(cfg, address, rid, prompt, hit, path, max_new=6, salt=b""):
 
 
 async def _generate(node, req) -> tuple[list[int], wpb.GenerateChunk]:
-    chunks = [c async for c in node.decode.generate(req)]
+    chunks = [chunk_to_pb(c) async for c in node.decode.generate(req)]
     return [t for c in chunks for t in c.tokens], chunks[0]
 
 
@@ -205,7 +213,7 @@ async def test_a_tenant_hits_its_own_blocks_and_never_anothers(cluster, decode):
         assert head.hit_tokens == 0 and tokens == clean  # nothing of A's was read
         assert decode.store.lookup(block_ids(ctx, model, salt=b)) * BT >= hit  # its own copy
     # an oversized salt is refused by both workers, naming the field
-    with pytest.raises(ValueError, match="cache_salt is 65 bytes"):
+    with pytest.raises(BadField, match="cache_salt: is 65 bytes"):
         await _generate(decode, _request(cfg, address, "x", ctx, 0, 0, salt=b"x" * 65))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await (
@@ -335,3 +343,35 @@ async def test_cancelled_turns_free_their_buffers_at_once_not_after_a_deadline(c
     prompt = torch.randint(4, model.vocab_size, (70,), generator=g).tolist()
     gen, _ = await _generate(decode, _request(cfg, address, "after", prompt, 0, 0))
     assert len(gen) == 6
+
+
+async def test_a_prefill_nixl_would_fail_is_refused_by_field_before_any_transfer(cluster, decode):
+    """Garbage agent metadata (NIXL_ERR_MISMATCH inside NIXL) and a region outside the decode
+    node's registered buffer (NIXL_ERR_NOT_FOUND): INVALID_ARGUMENT naming the field, not
+    INTERNAL; then a good turn."""
+    cfg, address = cluster
+    t = decode.transfer
+    nbytes = 20 * cfg.spec.model.kv_bytes_per_token
+    good = dict(
+        request_id="nixl-bad",
+        prompt_tokens=[5] * 20,
+        decode_node="decode-0",
+        decode_agent=t.name,
+        decode_agent_metadata=t.metadata,
+        decode_new=wpb.Region(address=t.pool.address, length=nbytes),
+    )
+    outside = wpb.Region(address=t.pool.address + t.pool.nbytes + (1 << 30), length=nbytes)
+    cases = {
+        "decode_agent_metadata": dict(decode_agent="stranger", decode_agent_metadata=b"junk" * 9),
+        "decode_new": dict(decode_new=outside),
+    }
+    stub = await decode.worker_stub(address)
+    for field, over in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Prefill(wpb.PrefillRequest(**{**good, **over}), timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert f"PrefillRequest.{field}" in err.value.details()
+    prompt = [7] * 40
+    tokens, _ = await _generate(decode, _request(cfg, address, "after-bad", prompt, 0, 0))
+    assert len(tokens) == 6

@@ -7,7 +7,7 @@ import pytest
 import torch
 from dualpath.config import ModelSpec
 from dualpath.engine import Engine, MemorySource, ThrottledSource
-from dualpath.engine.batch import MIN_PACK_ROWS
+from stepped_source import SteppedSource
 
 SPEC = ModelSpec(preset="tiny", block_tokens=8)
 
@@ -47,6 +47,8 @@ def make_source(kind, kv, hit):
     if kind == "throttled":  # arrives in pieces over ~40 ms: tiles attended to early
         nbytes = sum(t.numel() * t.element_size() for kv in cut for t in kv)
         return ThrottledSource(cut, nbytes / 0.04, piece_tokens=8)
+    if kind == "stepped":  # a piece lands each time the engine waits: early tiles, no clock
+        return SteppedSource(cut, piece_tokens=8)
     return LayerOnly(cut, delay_s=0.002)
 
 
@@ -78,15 +80,19 @@ def assert_identical(a, b):
 async def test_each_member_is_bit_identical_to_its_prefill_alone(engine, all_logits):
     # different hit and new lengths, sources of all kinds, no hit, and short requests (< 4 rows)
     shapes = [(64, 37), (0, 20), (128, 5), (16, 1), (200, 3), (8, 130), (40, 4), (0, 2)]
-    kinds = ["memory", "memory", "throttled", "layer", "throttled", "layer", "memory", "memory"]
+    kinds = ["memory", "memory", "throttled", "layer", "stepped", "layer", "memory", "memory"]
     alone, got, batch = await alone_and_batched(engine, shapes, kinds, all_logits)
     for a, b in zip(alone, got, strict=True):
         assert_identical(a, b)
-    assert [len(p) for p in batch.packs] == [5, 1, 1, 1]  # short ones alone, the rest packed
+    # short ones alone (fewer rows than this CPU's BLAS keeps bit-exact in a pack), the rest packed
+    rows = engine.model.min_pack_rows
+    assert [m.index for m in batch.packs[0]] == [i for i, (_, n) in enumerate(shapes) if n >= rows]
+    assert len(batch.packs[0]) >= 3  # 20, 37 and 130 rows pack on any CPU seen
     assert all(len(p) == 1 for p in batch.packs[1:])
-    assert all(m.new_tokens < MIN_PACK_ROWS for p in batch.packs[1:] for m in p)
+    assert all(m.new_tokens < rows for p in batch.packs[1:] for m in p)
     assert batch.times.compute_s > 0
-    assert sum(m.times.early_tiles for m in batch.members) > 0  # throttled hits, early tiles
+    # the stepped 200-token hit: its first 128-token tile is attended to before the rest lands
+    assert [m.times.early_tiles for m in batch.members] == [0, 0, 0, 0, SPEC.layers, 0, 0, 0]
 
 
 async def test_random_batches_are_bit_identical(engine):

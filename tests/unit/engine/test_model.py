@@ -19,6 +19,7 @@ from dualpath.engine import (
     save_checkpoint,
     spec_from_checkpoint,
 )
+from stepped_source import SteppedSource
 
 SPEC = ModelSpec(preset="tiny", block_tokens=8)
 
@@ -238,9 +239,7 @@ async def test_prefill_over_pieces_attends_early_and_is_bit_identical(engine):
     layers = [(k[:hit], v[:hit]) for k, v in ref_kv]
     whole = engine.prefill(x[hit:], hit, MemorySource(layers))
     kv_whole, logits_whole = await whole.collect()
-    layer_bytes = sum(t.numel() * t.element_size() for t in layers[0])
-    slow = ThrottledSource(layers, layer_bytes / 0.03, piece_tokens=50)  # 2.5 ms a piece
-    pieces = engine.prefill(x[hit:], hit, slow)
+    pieces = engine.prefill(x[hit:], hit, SteppedSource(layers, piece_tokens=50))
     kv_pieces, logits_pieces = await pieces.collect()
     assert torch.equal(logits_whole, logits_pieces)
     assert all(
@@ -248,8 +247,8 @@ async def test_prefill_over_pieces_attends_early_and_is_bit_identical(engine):
         for a, b in zip(kv_whole, kv_pieces, strict=True)
     )
     torch.testing.assert_close(logits_pieces[0], ref_logits[-1], atol=1e-4, rtol=0)
-    # tiles were attended to while the rest of their layer was arriving (up to 4 of 5 a layer)
-    assert 0 < pieces.times.early_tiles <= 4 * SPEC.layers
+    # tiles were attended to while the rest of their layer was arriving (4 of 5 a layer)
+    assert pieces.times.early_tiles == 4 * SPEC.layers
     assert whole.times.early_tiles == 0
 
 

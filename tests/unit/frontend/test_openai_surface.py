@@ -103,10 +103,14 @@ async def test_max_completion_tokens_ignore_eos_min_tokens_reach_the_turn(client
     r = await client.post("/v1/chat/completions", json=body)
     assert r.json()["usage"]["completion_tokens"] == 40
     turn = fake.requests[-1]
-    assert (turn.max_new_tokens, turn.min_tokens, turn.stop_ids) == (40, 7, ())
+    assert (turn.sampling.max_tokens, turn.sampling.min_tokens, turn.sampling.stop_tokens) == (
+        40,
+        7,
+        (),
+    )
     await client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": [7, 9]})
-    assert fake.requests[-1].stop_ids == (7, 9, EOS)
-    assert fake.requests[-1].max_new_tokens == 16  # the default
+    assert fake.requests[-1].sampling.stop_tokens == (7, 9, EOS)
+    assert fake.requests[-1].sampling.max_tokens == 16  # the default
 
 
 async def test_min_tokens_holds_back_a_stop_token(client) -> None:
@@ -122,12 +126,12 @@ async def test_min_tokens_holds_back_a_stop_token(client) -> None:
 async def test_sampling_fields_reach_the_turn(client, fake) -> None:
     body = {**CHAT, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 42}
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    t = fake.requests[-1]
+    t = fake.requests[-1].sampling
     assert (t.temperature, t.top_p, t.top_k, t.seed) == (0.7, 0.9, 20, 42)
     await client.post("/v1/chat/completions", json={**CHAT, "temperature": 0.7})
-    assert fake.requests[-1].seed != 0  # unseeded sampling draws its own seed
+    assert fake.requests[-1].sampling.seed != 0  # unseeded sampling draws its own seed
     await client.post("/v1/chat/completions", json={**CHAT, "top_k": -1})
-    t = fake.requests[-1]
+    t = fake.requests[-1].sampling
     assert (t.temperature, t.top_p, t.top_k) == (0.0, 1.0, 0)  # greedy unless asked
 
 

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 from dualpath.config import local_default
-from dualpath.local import bench
+from dualpath.local import bench, bench_cli
 from dualpath.local.cluster import with_overrides
 from dualpath.trace import Trajectory, Turn
 from tiny_configs import tiny_model
@@ -14,7 +14,7 @@ from tiny_configs import tiny_model
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from dualpath.local import bench, online
+from dualpath.local import bench, bench_cli, online
 
 
 def _pt(rate: float, p90: float, failed: int = 0) -> online.RatePoint:
@@ -110,7 +110,7 @@ def test_rates_flag_takes_auto_or_a_list_and_sizes_default_per_mode() -> None:
         with pytest.raises(ValueError, match="--rates"):
             online._parse_rates(bad)
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     args = parser.parse_args(["--online"])
     assert (args.rates, args.agents, args.turns, args.point_s) == ("auto", None, None, "auto")
     assert parser.parse_args(["--point-s", "30"]).point_s == 30.0

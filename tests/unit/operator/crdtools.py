@@ -9,6 +9,7 @@ from typing import Any
 
 import celpy
 import jsonschema
+from celcheck import walk
 
 
 def apply_defaults(obj: Any, schema: dict[str, Any]) -> Any:
@@ -68,7 +69,12 @@ def cel_errors(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
         if "oldSelf" in rule["rule"]:
             continue  # transition rules need an old object
         program = env.program(env.compile(rule["rule"]))
-        if not program.evaluate({"self": celpy.json_to_cel(obj)}):
+        try:
+            ok = program.evaluate({"self": celpy.json_to_cel(obj)})
+        except celpy.CELEvalError as err:  # cel-go: "no such key: port evaluating rule: ..."
+            errors.append(f"{path or '<root>'}: {err.args[0]} evaluating rule: {rule['message']}")
+            continue
+        if not ok:
             errors.append(f"{path or '<root>'}: {rule['message']}")
     if isinstance(obj, dict):
         for key, sub in (schema.get("properties") or {}).items():
@@ -81,6 +87,20 @@ def cel_errors(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
     elif isinstance(obj, list) and "items" in schema:
         for i, value in enumerate(obj):
             errors += cel_errors(value, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def default_errors(schema: dict[str, Any], path: str = "") -> list[str]:
+    """What the API server answers when the CRD is created: every default, as written (no
+    defaulting inside it first), against its node's schema and every rule at that node and
+    below it (apiextensions' ValidateDefaults). [] = the CRD is accepted on this count."""
+    errors = []
+    for where, node in walk(schema, path):
+        if "default" not in node:
+            continue
+        value = copy.deepcopy(node["default"])
+        errors += [f"{where}.default: {e}" for e in schema_errors(value, node)]
+        errors += [f"{where}.default: {e}" for e in cel_errors(value, node, where)]
     return errors
 
 

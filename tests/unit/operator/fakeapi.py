@@ -1,9 +1,14 @@
 """An in-memory Kubernetes API with the semantics the operator relies on.
 
 - Every write bumps a global resourceVersion; spec changes bump `metadata.generation`.
-- A write carrying `metadata.resourceVersion` (apply, merge patch) is a precondition: a stale
+- An apply carrying `metadata.resourceVersion` is a precondition: a stale
   one fails with 409 Conflict, as on a real API server.
 - Errors are `ApiException`s with a `Status` body, the shape the real client raises.
+- Server-side apply owns what it applies, per field manager, in `metadata.managedFields`
+  (top-level `spec` keys: the granularity the operator's writes need): a key the applier
+  never set (written by a create or a person, e.g. a pool's `replicas`) is kept; one it set
+  before and now omits is removed unless another applier owns it too. A person's write that
+  changes a key takes it from every applier, as an update does on a real API server.
 - `hook(op)` runs before every call, so a test can interleave user writes (a `kubectl scale`)
   or kill the operator (raise) between any two of the operator's calls.
 """
@@ -86,7 +91,11 @@ class FakeApi:
     def user_patch_spec(self, api_version, kind, name, spec_patch, ns="default") -> None:
         """A person's write (kubectl scale / edit): unconditional, no hook."""
         obj = copy.deepcopy(self.obj(api_version, kind, name, ns))
+        before = copy.deepcopy(obj.get("spec") or {})
         _merge(obj.setdefault("spec", {}), spec_patch)
+        changed = {k for k in set(before) | set(obj["spec"]) if before.get(k) != obj["spec"].get(k)}
+        for manager, keys in _apply_owners(obj).items():
+            _set_owner(obj, manager, keys - changed)
         self._store(obj, True)
 
     def _call(self, op: str) -> None:
@@ -106,7 +115,7 @@ class FakeApi:
             )
 
     # -- ClusterApi ----------------------------------------------------------------------------
-    def apply(self, obj):
+    def apply(self, obj, field_manager="dualpath-operator"):
         self._call(f"apply {obj['kind']}/{obj['metadata']['name']}")
         m = obj["metadata"]
         refused = self.refuse.get((obj["kind"], m["name"]))
@@ -115,14 +124,24 @@ class FakeApi:
         key = self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
         current = self.objects.get(key)
         self._check_rv(current, m.get("resourceVersion"), f"{obj['kind']} {m['name']}")
+        applied_spec = obj.get("spec") or {}
         if current is None:
             fresh = copy.deepcopy(obj)
             fresh["metadata"].pop("resourceVersion", None)
+            _set_owner(fresh, field_manager, set(applied_spec))
             return self.create(fresh)
         merged = copy.deepcopy(current)
         for k, v in obj.items():
-            if k not in ("metadata", "status"):
+            if k not in ("metadata", "status", "spec"):
                 merged[k] = copy.deepcopy(v)
+        owners = _apply_owners(current)
+        owned_before = owners.pop(field_manager, set())
+        kept_by_others = set().union(*owners.values())
+        dropped = owned_before - set(applied_spec) - kept_by_others
+        if "spec" in obj or dropped:
+            spec = {k: v for k, v in (current.get("spec") or {}).items() if k not in dropped}
+            merged["spec"] = {**spec, **copy.deepcopy(applied_spec)}
+        _set_owner(merged, field_manager, set(applied_spec))
         for k in ("labels", "annotations"):
             if k in m:
                 merged["metadata"].setdefault(k, {}).update(m[k])
@@ -186,16 +205,6 @@ class FakeApi:
         if new["status"] != (obj.get("status") or {}):
             self._store(new, False)
 
-    def patch_spec(self, api_version, kind, ns, name, patch, resource_version):
-        self._call(f"patch {kind}/{name}")
-        obj = self.objects.get(self.key(api_version, kind, ns, name))
-        self._check_rv(obj, resource_version, f"{kind} {name}")
-        new = copy.deepcopy(obj)
-        _merge(new, patch)
-        if new != obj:
-            self._store(new, new["spec"] != obj["spec"])
-        return copy.deepcopy(self.objects[self.key(api_version, kind, ns, name)])
-
     def event(self, obj, type_, reason, message):
         self._call(f"event {reason}")
         self.events.append(
@@ -207,6 +216,37 @@ class FakeApi:
                 "message": message,
             }
         )
+
+
+def _apply_owners(obj: dict) -> dict[str, set[str]]:
+    """manager -> the top-level spec keys its applies own, from `metadata.managedFields`."""
+    return {
+        e["manager"]: {k.removeprefix("f:") for k in e["fieldsV1"].get("f:spec", {})}
+        for e in obj["metadata"].get("managedFields") or []
+        if e.get("operation") == "Apply"
+    }
+
+
+def _set_owner(obj: dict, manager: str, keys: set[str]) -> None:
+    entries = [
+        e
+        for e in obj["metadata"].get("managedFields") or []
+        if not (e["manager"] == manager and e.get("operation") == "Apply")
+    ]
+    if keys:
+        entries.append(
+            {
+                "manager": manager,
+                "operation": "Apply",
+                "apiVersion": obj["apiVersion"],
+                "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:spec": {f"f:{k}": {} for k in sorted(keys)}},
+            }
+        )
+    if entries:
+        obj["metadata"]["managedFields"] = entries
+    else:
+        obj["metadata"].pop("managedFields", None)
 
 
 def _merge(into: dict, patch: dict) -> None:

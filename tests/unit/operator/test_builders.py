@@ -186,3 +186,38 @@ def test_child_kinds_cover_everything_render_produces(example):
         assert kinds <= set(CHILD_KINDS)
         for obj in render(cfg, OWNER):
             assert obj["metadata"]["labels"]["dualpath.io/cluster"] == cfg.name
+
+
+@pytest.mark.parametrize("counts", [{"decode": 12}, {"prefill": 0, "decode": 3}])
+def test_a_pool_count_changes_its_statefulset_count_and_nothing_else(example, counts):
+    """The operator renders with the pools' counts (`render(..., replicas=)`): only the worker
+    StatefulSets' `spec.replicas` differ; the ConfigMap, the pools as created and every
+    template are the cluster spec's, so a scale writes one field and rolls nothing."""
+    import copy
+
+    base, scaled = render(example, OWNER), render(example, OWNER, counts)
+    assert len(base) == len(scaled)
+    for before, after in zip(base, scaled, strict=True):
+        name = after["metadata"]["name"]
+        if after["kind"] == "StatefulSet":
+            role = name.removeprefix("agents-")
+            assert after["spec"]["replicas"] == counts.get(role, example.spec.pool(role).replicas)
+            after = copy.deepcopy(after)
+            after["spec"]["replicas"] = before["spec"]["replicas"]
+        assert after == before, f"{after['kind']}/{name} changed with a pool count"
+
+
+def test_a_pool_is_applied_without_its_count():
+    """Created with the cluster spec's count; every apply after that leaves the count (the
+    scale subresource's, written by people and HPAs) to its owner."""
+    from dualpath.config import Role
+    from dualpath_operator.builders import pool, pool_for_apply
+
+    cfg = config.local_default()
+    created = pool(cfg, Role.DECODE, OWNER)
+    assert created["spec"]["replicas"] == cfg.spec.decode.replicas
+    applied = pool_for_apply(created)
+    assert "replicas" not in applied["spec"]
+    assert applied["spec"] == {"cluster": cfg.name, "role": "decode"}
+    assert applied["metadata"] == created["metadata"]
+    assert created["spec"]["replicas"] == cfg.spec.decode.replicas  # the input is not changed

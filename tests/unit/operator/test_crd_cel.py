@@ -3,9 +3,17 @@ way kube-apiserver checks them when the CRD is created, and stays within its cos
 
 import copy
 
+import celpy
 import pytest
 from celcheck import COST_LIMIT, check_rules, estimated_cost, unbounded_operands, walk
-from crdtools import admit, apply_defaults, cel_errors, crd_schema, schema_errors
+from crdtools import (
+    admit,
+    apply_defaults,
+    cel_errors,
+    crd_schema,
+    default_errors,
+    schema_errors,
+)
 from dualpath_operator import crd
 
 CRDS = {"clusters": crd.cluster_crd, "pools": crd.pool_crd}
@@ -103,9 +111,18 @@ def test_preset_null_with_explicit_dims_passes_the_fixed_rule_at_runtime():
 
 
 @pytest.mark.parametrize("which", CRDS)
-def test_every_default_passes_its_nodes_schema_and_rules(which):
-    # the API server validates each default (after defaulting inside it) when the CRD is
-    # created, rules included: that is where issue 14's compile error surfaced
+def test_every_default_as_written_passes_its_nodes_schema_and_rules(which):
+    # the API server validates each default when the CRD is created, as written (a `{}` has no
+    # keys: no defaulting inside it first), against its node's schema and every rule at that
+    # node and below: issue 32's "no such key: port evaluating rule" came from there
+    schema = crd_schema(CRDS[which]())
+    assert default_errors(schema) == []
+
+
+@pytest.mark.parametrize("which", CRDS)
+def test_every_default_once_filled_in_satisfies_its_rules(which):
+    # what a stored object holds when a field is left out: the default, then defaulting
+    # inside it; the guards of when_set() must not let a default break a rule there
     schema = crd_schema(CRDS[which]())
     checked = 0
     for path, node in walk(schema):
@@ -115,3 +132,69 @@ def test_every_default_passes_its_nodes_schema_and_rules(which):
             assert cel_errors(value, node, path) == [], path
             checked += 1
     assert checked >= (10 if which == "clusters" else 0)
+
+
+def _with_rule(path, rule, message="m"):
+    schema = copy.deepcopy(crd_schema(crd.cluster_crd()))
+    node = schema
+    for part in filter(None, path.split(".")):
+        node = node["properties"][part]
+    node["x-kubernetes-validations"] = [{"rule": rule, "message": message}]
+    return schema
+
+
+def test_the_default_check_refuses_the_rule_the_api_server_refused():
+    # issue 32, as kube-apiserver v1.28 printed it: "properties[spec].properties[frontend]
+    # .default: Invalid value: "object": no such key: port evaluating rule: frontend.port must
+    # not be the metrics port 9090"; the default was {} and the rule unguarded
+    message = "frontend.port must not be the metrics port 9090"
+    broken = _with_rule("spec.frontend", "self.port != 9090", message)
+    assert (
+        crd_schema(crd.cluster_crd())["properties"]["spec"]["properties"]["frontend"]["default"]
+        == {}
+    )
+    errors = default_errors(broken)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("spec.frontend.default: spec.frontend: ")
+    assert "port" in errors[0] and f"evaluating rule: {message}" in errors[0]
+    fixed = _with_rule("spec.frontend", crd.when_set("self.port != 9090"), message)
+    assert default_errors(fixed) == []
+
+
+def test_the_default_check_reaches_rules_below_a_default():
+    # a default of {"qos": {}} at spec.network runs the qos rule on {}: a rule is checked
+    # against every default above it that holds its node, not only its own
+    broken = _with_rule("spec.network.qos", "!self.enabled || self.model.serviceLevel != 1")
+    broken["properties"]["spec"]["properties"]["network"]["default"] = {"qos": {}}
+    paths = {e.split(": ", 1)[0] for e in default_errors(broken)}
+    assert paths == {"spec.network.default", "spec.network.qos.default"}
+
+
+@pytest.mark.parametrize("path, rules", list(crd.CEL_RULES.items()), ids=lambda v: str(v)[:30])
+def test_every_rule_that_reads_a_field_holds_on_an_empty_object(path, rules):
+    if not path:
+        return  # the root always has metadata.name
+    env = celpy.Environment()
+    for rule, _ in rules:
+        program = env.program(env.compile(rule))
+        assert program.evaluate({"self": celpy.json_to_cel({})}), rule
+
+
+@pytest.mark.parametrize(
+    "rule, full, verdict",
+    [
+        ("self.port != 9090", {"port": 9090}, False),
+        ("self.path.startsWith('/')", {"path": "rel"}, False),
+        ("!self.enabled || self.model.serviceLevel != self.kv.serviceLevel", None, True),
+        ("self.a <= self.b", {"a": 2, "b": 1}, False),
+        ("self.a <= self.b", {"a": 1}, True),
+        ("self.a > 0 ? self.b > 0 : true", {"a": 1, "b": 0}, False),
+        ("self.a > 0 ? self.b > 0 : true", {"a": 0}, True),
+    ],
+)
+def test_when_set_guards_only_absent_fields(rule, full, verdict):
+    env = celpy.Environment()
+    guarded = env.program(env.compile(crd.when_set(rule)))
+    assert guarded.evaluate({"self": celpy.json_to_cel({})})
+    if full is not None:
+        assert bool(guarded.evaluate({"self": celpy.json_to_cel(full)})) is verdict

@@ -13,6 +13,7 @@ from e2e_lib import (  # noqa: E402
     BAD_INPUTS,
     StepFailed,
     bad_input_outcome,
+    documented_commands,
     run,
     shrink_example,
     step,
@@ -127,3 +128,25 @@ def test_a_bad_input_resolves_as_refused_or_degraded_and_not_before():
     }
     out = bad_input_outcome(ok, failed)
     assert out.how == "degraded" and "Service/x-scheduler" in out.message
+
+
+def test_the_documented_crd_upgrade_command_is_read_from_the_doc():
+    doc = (ROOT / "docs" / "operator.md").read_text()
+    kubectl = documented_commands(doc, "Upgrading CRDs", "kubectl")
+    helm = documented_commands(doc, "Upgrading CRDs", "helm")
+    assert kubectl == [
+        "kubectl apply --server-side --force-conflicts --field-manager=dualpath-crds "
+        "-f charts/dualpath/crds/".split()
+    ]
+    assert helm and helm[0][:2] == ["helm", "upgrade"]
+    for path in (a for c in kubectl for a in c if a.endswith("/")):
+        assert (ROOT / path).is_dir(), path  # the doc names paths of this repo
+
+
+def test_a_doc_without_the_section_or_command_is_a_step_failure():
+    doc = "# x\n## Other\n```bash\nkubectl get x  # comment\n```\n"
+    assert documented_commands(doc, "Other", "kubectl") == [["kubectl", "get", "x"]]
+    with pytest.raises(StepFailed, match="no '## Missing' section"):
+        documented_commands(doc, "Missing", "kubectl")
+    with pytest.raises(StepFailed, match="no `helm` command"):
+        documented_commands(doc, "Other", "helm")

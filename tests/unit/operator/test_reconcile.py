@@ -1,5 +1,6 @@
 """The reconcile against an in-memory API with resourceVersions and 409s: idempotent, status
-follows children, scales carried both ways, apply failures reported, children pruned."""
+follows children, each replica count has one writer (the pool's is people's, the
+StatefulSet's follows it), apply failures reported, children pruned."""
 
 import copy
 import logging
@@ -9,7 +10,6 @@ import pytest
 import yaml
 from dualpath_operator import metrics
 from dualpath_operator.reconcile import Backoff, Reconciler, reconcile
-from dualpath_operator.scaling import SYNCED_REPLICAS
 from fakeapi import FakeApi, api_error
 from prometheus_client import REGISTRY
 
@@ -75,7 +75,9 @@ def test_first_pass_creates_children_and_reports_progressing(api):
     assert cond(status, "Progressing")["status"] == "True"
     pool = api.obj(*DPP, "agents-decode")
     assert pool["status"]["selector"].startswith("app.kubernetes.io/name=dualpath")
-    assert pool["metadata"]["annotations"][SYNCED_REPLICAS] == "8"
+    assert pool["spec"]["replicas"] == 8  # created with the cluster spec's initial count
+    assert not (pool["metadata"].get("annotations") or {})  # no bookkeeping of a merge
+    assert "annotations" not in cr(api)["metadata"]
 
 
 def test_the_token_secret_is_created_once_and_never_rewritten(api):
@@ -139,30 +141,41 @@ def test_drift_is_repaired(api):
     assert api.obj("apps/v1", "StatefulSet", "agents-prefill")["spec"]["replicas"] == 4
 
 
-def test_kubectl_scale_on_a_pool_lands_in_the_cluster_spec_and_the_statefulset(api):
+def test_kubectl_scale_on_a_pool_lands_in_the_statefulset_and_nowhere_else(api):
     reconcile(api, "default", "agents")
+    cluster_version = cr(api)["metadata"]["resourceVersion"]
     api.user_patch_spec(*DPP, "agents-decode", {"replicas": 12})
     reconcile(api, "default", "agents")
-    assert replicas(api, "decode") == (12, 12, 12)
+    # The cluster spec keeps the initial count a person wrote: the operator never writes it.
+    assert replicas(api, "decode") == (8, 12, 12)
+    assert cr(api)["metadata"].get("generation") == 1
+    assert cr(api)["metadata"]["resourceVersion"] != cluster_version  # only its status moved
     scaled = [e for e in api.events if e["reason"] == "Scaled"]
-    assert scaled[-1]["message"].startswith("spec.decode.replicas 8 -> 12")
-    assert "agents-decode" in scaled[-1]["message"]
-    assert api.obj(*DPP, "agents-decode")["metadata"]["annotations"][SYNCED_REPLICAS] == "12"
+    assert scaled[-1]["message"].startswith("StatefulSet agents-decode replicas 8 -> 12")
+    assert "DualPathPool agents-decode" in scaled[-1]["message"]
 
 
-def test_an_edit_of_the_cluster_spec_lands_in_the_pool(api):
+def test_the_pool_is_created_with_the_cluster_count_and_never_written_by_the_operator(api):
+    """After creation the pool owns its count: a later edit of the cluster spec's count scales
+    nothing, every pass applies the pool without `spec.replicas`, and a deleted pool comes
+    back with the cluster spec's count (its initial count, again)."""
     reconcile(api, "default", "agents")
+    assert not [c for c in api.applied_spec_changes if c[0] == "DualPathPool"]
     api.user_patch_spec(*DPC, "agents", {"prefill": {"replicas": 6}})
     reconcile(api, "default", "agents")
+    assert replicas(api, "prefill") == (6, 4, 4)
+    assert not [e for e in api.events if e["reason"] == "Scaled"]
+    assert not [c for c in api.applied_spec_changes if c[0] == "DualPathPool"]
+    del api.objects[(*DPP, "default", "agents-prefill")]
+    reconcile(api, "default", "agents")
     assert replicas(api, "prefill") == (6, 6, 6)
-    assert not [e for e in api.events if e["reason"] == "Scaled"]  # nobody's scale reverted
 
 
 def test_a_pool_scale_written_after_the_pass_read_it_is_not_overwritten(api):
     """The race of the issue: the pass read the pool at 8, a scale to 3 lands before its
-    apply. The guarded pool apply gets a 409 and the pass is redone from fresh reads."""
+    apply. The pool apply carries no count, so the scale stands; the StatefulSet, written from
+    the count this pass read, takes 3 on the next pass (the pool's watch event)."""
     reconcile(api, "default", "agents")
-    api.user_patch_spec(*DPC, "agents", {"decode": {"replicas": 9}})
     fired = []
 
     def scale_once(op):
@@ -173,7 +186,10 @@ def test_a_pool_scale_written_after_the_pass_read_it_is_not_overwritten(api):
     api.hook = scale_once
     reconcile(api, "default", "agents")
     api.hook = None
-    assert fired and replicas(api, "decode") == (3, 3, 3)
+    assert fired and replicas(api, "decode")[1] == 3
+    reconcile(api, "default", "agents")
+    assert replicas(api, "decode") == (8, 3, 3)
+    assert not [c for c in api.applied_spec_changes if c[0] == "DualPathPool"]
 
 
 def test_a_refused_unsafe_scale_is_reported_and_not_undone(api):
@@ -183,8 +199,10 @@ def test_a_refused_unsafe_scale_is_reported_and_not_undone(api):
     degraded = cond(status, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "UnsafeScale"
     assert "decode replicas 0 with prefill replicas 4" in degraded["message"]
-    # Not done (the StatefulSet and cluster keep 8) and not undone (the ask stays on the pool).
+    # Not done (the StatefulSet keeps 8) and not undone (the ask stays on the pool).
     assert replicas(api, "decode") == (8, 0, 8)
+    accepted = cond(status, "ScaleAccepted")
+    assert accepted["status"] == "False" and accepted["reason"] == "UnsafeScale"
     warnings = [(e["kind"], e["reason"]) for e in api.events if e["type"] == "Warning"]
     assert ("DualPathPool", "UnsafeScale") in warnings
     assert ("DualPathCluster", "UnsafeScale") in warnings
@@ -194,8 +212,9 @@ def test_a_refused_unsafe_scale_is_reported_and_not_undone(api):
     # Scaling prefill to 0 too makes the ask safe: both land.
     api.user_patch_spec(*DPP, "agents-prefill", {"replicas": 0})
     status = reconcile(api, "default", "agents").status
-    assert replicas(api, "decode") == (0, 0, 0) and replicas(api, "prefill") == (0, 0, 0)
+    assert replicas(api, "decode") == (8, 0, 0) and replicas(api, "prefill") == (4, 0, 0)
     assert cond(status, "Degraded")["reason"] != "UnsafeScale"
+    assert cond(status, "ScaleAccepted")["status"] == "True"
 
 
 INVALID_IMAGE = api_error(

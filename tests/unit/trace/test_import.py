@@ -70,12 +70,88 @@ def test_claude_code_hits_partial_hits_shared_prefix_and_subagents() -> None:
     (sub,) = tr.subagents
     assert sub.after_turn == 2 and sub.start_s == pytest.approx(7.5 - 6.0)
     assert [t.hit_tokens for t in sub.turns] == [0, 192]
-    assert inf.partial_hits == 1 and inf.output_assumed_stored == 1
+    assert inf.not_extending == 1 and inf.output_assumed_stored == 1
     assert inf.shared_prefix_turns == 1 and inf.subagents == 1 and inf.turns == 5
     # The model replays it: prompts and hits come back from the file unchanged.
     assert tr.prompt_tokens(2) == 200 and tr.final_context_tokens == 230
     st = trace.stats([tr])
     assert st.turns == 5 and st.extra["trajectories_incl_subagents"] == 2
+
+
+def test_turn_counts_name_partial_hits_first_turns_and_negative_appends() -> None:
+    session = {
+        "block_size": 64,
+        "system_tokens": 100,
+        "tool_tokens": 60,
+        "requests": [
+            _req(0, 300, 100, [1, 2, 3, 4, 5]),
+            # Re-sends the first prompt and only part of its output: 350 < 300 + 100.
+            _req(5, 350, 20, [1, 2, 3, 4, 8, 9]),
+            {
+                "t": 7.5,
+                "type": "subagent",
+                "agent_id": "x",
+                "requests": [_req(0, 200, 5, [90, 91, 92])],
+            },
+            # Compaction: shorter than the previous prompt, only two blocks the same prefix.
+            _req(9, 200, 30, [1, 2, 7], think=3.0),
+        ],
+    }
+    tr, _ = claude_code_session(session, "s1")
+    c = trace.turn_counts([tr])
+    assert c["first_turns"] == 2 and c["first_turns_prefix_hit"] == 1  # the root's shared prefix
+    assert c["first_turns_full_miss"] == 1  # the subagent's first turn
+    assert c["negative_append_turns"] == 2
+    assert c["output_trimmed_turns"] == 1 and c["compacted_turns"] == 1
+    # Turn 1 hits the 4 blocks it re-sent (256 of 384 stored by the growth model); turn 2, 128.
+    assert c["partial_hit_turns"] == 2
+    assert trace.describe([tr])["partial_hit_turns"] == 2
+
+
+def test_import_meta_and_stats_count_the_same(tmp_path, capsys) -> None:
+    src = tmp_path / "cc"
+    src.mkdir()
+    (src / "s1.json").write_text(
+        json.dumps(
+            {
+                "block_size": 64,
+                "system_tokens": 64,
+                "requests": [
+                    _req(0, 300, 100, [1, 2, 3, 4, 5]),
+                    _req(5, 350, 20, [1, 2, 3, 4, 8, 9]),
+                    _req(9, 200, 30, [1, 2, 7], think=3.0),
+                ],
+            }
+        )
+    )
+    out = tmp_path / "cc.jsonl"
+    assert main(["trace", "import", "claude-code", str(src), "-o", str(out)]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert main(["trace", "stats", str(out), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    for key, n in meta["counts"].items():
+        assert st[key] == n, key
+    assert meta["counts"]["partial_hit_turns"] == 2
+    assert meta["counts"]["first_turns_prefix_hit"] == 1
+
+
+@needs_traces
+def test_real_import_meta_and_stats_agree_on_partial_hits_and_first_turns(tmp_path, capsys) -> None:
+    src = tmp_path / "cc"
+    src.mkdir()
+    # Sessions with subagents among them: their first turns hit their parent's blocks.
+    for f in sorted((TRACES / "claude-code").glob("*.json.gz"))[:25]:
+        (src / f.name).symlink_to(f)
+    out = tmp_path / "cc.jsonl"
+    assert main(["trace", "import", "claude-code", str(src), "-o", str(out)]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert main(["trace", "stats", str(out), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    for key in ("partial_hit_turns", "first_turns_prefix_hit", "negative_append_turns"):
+        assert st[key] == meta["counts"][key], key
+    assert st["partial_hit_turns"] > 0
+    neg = st["negative_append_turns"]
+    assert neg == st["compacted_turns"] + st["output_trimmed_turns"] > 0
 
 
 def test_without_shared_prefix_turn_zero_misses() -> None:

@@ -14,15 +14,12 @@ import threading
 
 import pytest
 import torch
-from dualpath.config import Role, from_resource
 from dualpath.kv import block_ids
-from dualpath.kv.memory import MemoryStore
-from dualpath.transfer.fake import MemoryFabric, MemoryTransfer
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker.decode import PrefillFailed
-from dualpath.worker.node import NodeOptions, WorkerNode
-from dualpath.worker.prefill import WRITES_IN_FLIGHT_KEY, HitUnavailable
+from dualpath.worker.prefill import HitUnavailable
+from dualpath.worker.wire import chunk_to_pb, generate_from_pb
 from prometheus_client import REGISTRY
 
 BT = 16
@@ -30,37 +27,9 @@ DEADLINE_S = 1.0
 PATHS = {"prefill": spb.READ_PATH_PREFILL, "decode": spb.READ_PATH_DECODE}
 
 
-@pytest.fixture
-async def cluster(tmp_path):
-    cfg = from_resource(
-        {
-            "apiVersion": "dualpath.io/v1alpha1",
-            "kind": "DualPathCluster",
-            "metadata": {"name": "roles"},
-            "spec": {
-                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
-                "prefill": {"replicas": 1, "kvBufferBytes": 8 << 20},
-                "decode": {"replicas": 1, "kvBufferBytes": 8 << 20},
-                "storage": {"path": str(tmp_path / "kv"), "readTimeoutMs": 500},
-            },
-        }
-    )
-    fabric = MemoryFabric()
-    store = MemoryStore(cfg.spec.model)
-    nodes = {}
-    for role, name in ((Role.PREFILL, "prefill-0"), (Role.DECODE, "decode-0")):
-        opts = NodeOptions(role=role, node_id=name, kv_cache_tokens=4096, deadline_s=DEADLINE_S)
-        transfer = MemoryTransfer(name, 8 << 20, fabric, deadline_s=DEADLINE_S)
-        nodes[name] = await WorkerNode(cfg, opts, store=store, transfer=transfer).start()
-    try:
-        yield nodes["prefill-0"], nodes["decode-0"], store, fabric
-    finally:
-        for node in nodes.values():
-            await node.stop()
-
-
 def _request(prefill, rid, prompt, hit, path, max_new=4):
-    return wpb.GenerateRequest(
+    """A turn as the decode servicer hands it to the role (through the wire's checks)."""
+    msg = wpb.GenerateRequest(
         request_id=rid,
         prompt_tokens=prompt,
         hit_tokens=hit,
@@ -69,10 +38,11 @@ def _request(prefill, rid, prompt, hit, path, max_new=4):
         prefill_node=prefill.node_id,
         prefill_address=prefill.address,
     )
+    return generate_from_pb(msg, prefill.cfg.spec.model)
 
 
 async def _generate(decode, req):
-    chunks = [c async for c in decode.decode.generate(req)]
+    chunks = [chunk_to_pb(c) async for c in decode.decode.generate(req)]
     return [t for c in chunks for t in c.tokens], chunks[0]
 
 
@@ -343,14 +313,15 @@ async def test_a_refused_hit_keeps_the_decode_regions_held_when_a_write_may_stil
     prefix still reaches the decode node)."""
     prefill, decode, _, _ = cluster
 
-    async def serve(req, context):  # noqa: ANN001, ANN202
-        context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, "1"),))
+    async def serve(order, outcome):  # noqa: ANN001, ANN202
+        outcome.writes_in_flight = True
         raise HitUnavailable("blocks gone", valid_tokens=BT)
+        yield  # an async generator, as the role's
 
     monkeypatch.setattr(prefill.prefill, "serve", serve)
     req = _request(prefill, "refused", [5] * 50, 3 * BT, "prefill")
     with pytest.raises(HitUnavailable) as caught:
-        await decode.decode._prefill(req, list(req.prompt_tokens), 3 * BT, "prefill")
+        await decode.decode._prefill(req, list(req.prompt), 3 * BT, "prefill")
     assert caught.value.valid_tokens == BT
     assert decode.transfer.pool.regions == 2  # held for the deadline, then back
     assert await _all_regions_back(decode, within_s=DEADLINE_S + 3)

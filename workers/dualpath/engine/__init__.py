@@ -21,7 +21,7 @@ _EXPORTS = {
     "spec_from_checkpoint": "dualpath.engine.checkpoint",
     "CacheFullError": "dualpath.engine.decode",
     "PagedKVCache": "dualpath.engine.decode",
-    "SamplingParams": "dualpath.engine.decode",
+    "SamplingParams": "dualpath.sampling",
     "StepOutput": "dualpath.engine.decode",
     "sample": "dualpath.engine.decode",
     "Engine": "dualpath.engine.engine",

@@ -21,10 +21,11 @@ forward over a batch of one):
   other rows;
 - attention is per request, in one fixed merge order (self, then hit tiles in order);
 - a matmul row of the packed matrix equals the same row computed alone as long as the request has
-  at least `MIN_PACK_ROWS` rows: with fewer, BLAS takes a small-M kernel (gemv for one row) that
-  sums in another order. Requests that short run their matmuls on their own (a pack of one);
-  the rest share one pack. (Measured for MKL on this CPU at every offset and length tried; the
-  engine's tests check it with torch.equal, and `dualpath bench engine` compares every output.)
+  at least `model.min_pack_rows` rows: with fewer, BLAS takes a small-M kernel (gemv for one
+  row) that sums in another order. Requests that short run their matmuls on their own (a pack of
+  one); the rest share one pack. The count depends on the CPU and the model's shapes, so it is
+  measured per process (`pack_rows_needed`); the engine's tests check the outputs with
+  torch.equal, and `dualpath bench engine` compares every output.
 The logits of each request come from its own rows, as alone.
 
     batch = engine.prefill_batch([(tokens_a, hit_a, source_a), (tokens_b, hit_b, source_b)])
@@ -59,9 +60,6 @@ from dualpath.engine.prefill import (
 )
 
 log = logging.getLogger(__name__)
-
-# fewer new tokens than this and a request's matmuls run alone (see the module docstring)
-MIN_PACK_ROWS = 4
 
 BatchRequest = tuple[Sequence[int] | torch.Tensor, int, LayerSource | None]
 
@@ -171,9 +169,10 @@ class BatchPrefillRun:
             check_request(f"request {i} of the batch", tokens, hit, source)
             src = source or EmptySource(spec.kv_heads, spec.head_dim, model.dtype)
             self.members.append(BatchMember(self, i, tokens, hit, src))
-        big = [m for m in self.members if m.new_tokens >= MIN_PACK_ROWS]
+        rows = model.min_pack_rows
+        big = [m for m in self.members if m.new_tokens >= rows]
         self.packs: list[list[BatchMember]] = ([big] if big else []) + [
-            [m] for m in self.members if m.new_tokens < MIN_PACK_ROWS
+            [m] for m in self.members if m.new_tokens < rows
         ]
         self.times = BatchTimes()
         self._executor = executor

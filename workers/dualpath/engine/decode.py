@@ -15,35 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from dualpath.engine.model import Transformer
+from dualpath.sampling import SamplingParams
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 class CacheFullError(RuntimeError):
     """The paged KV cache has no free pages; free sequences or raise kv capacity."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    max_tokens: int = 16
-    stop_tokens: tuple[int, ...] = ()
-    seed: int = 0
-    top_p: float = 1.0  # nucleus: the smallest set of ids holding this probability; 1 = off
-    top_k: int = 0  # the k most likely ids only; 0 = off
-    min_tokens: int = 0  # stop tokens cannot be sampled before this many are generated
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0 (0 = greedy)")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1] (1 = off)")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 = off)")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError("min_tokens must be in [0, max_tokens]")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Engine:
         self.threads = configure_threads(threads)
         self.spec = spec
         self.model = model or load_model(spec)
+        self.model.min_pack_rows  # noqa: B018 -- measured now, not in a batch's first step
         self.cache = PagedKVCache(self.model, kv_capacity_tokens, page_tokens or spec.block_tokens)
         self.executor = cf.ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
         self.sequences: dict[str, Sequence_] = {}

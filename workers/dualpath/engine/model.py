@@ -33,6 +33,36 @@ def configure_threads(threads: int | None = None) -> int:
     return n
 
 
+# the row counts a probe tries (below: every count; above: a few, the kernels change seldom there)
+PACK_PROBE_ROWS = (*range(1, 33), 40, 48, 64)
+_pack_rows: dict[tuple, int] = {}
+
+
+def pack_rows_needed(weights: list[torch.Tensor]) -> int:
+    """The fewest rows from which a row of `x @ w.T` computed with other rows has the bits of
+    the same rows computed alone, for every weight here, on this CPU's BLAS at this thread
+    count (a small-M kernel sums in another order; where it switches depends on the CPU and
+    the inner dimension: 4 rows sufficed on one VM, 16 were needed on another). Measured once
+    per shape: a few hundred small matmuls."""
+    need = 1
+    for w in weights:
+        key = (tuple(w.shape), w.dtype, torch.get_num_threads())
+        if key not in _pack_rows:
+            top = PACK_PROBE_ROWS[-1]
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(2 * top + 8, w.shape[1], generator=gen).to(w.dtype)
+            packed = F.linear(x, w)
+            bad = [
+                r
+                for r in PACK_PROBE_ROWS
+                for at in (0, top + 5)
+                if not torch.equal(packed[at : at + r], F.linear(x[at : at + r], w))
+            ]
+            _pack_rows[key] = max(bad, default=0) + 1
+        need = max(need, _pack_rows[key])
+    return need
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -301,6 +331,15 @@ class Transformer(nn.Module):
                 else:  # fan-in scaled so activations and logits stay O(1) through the layers
                     p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
         return model.to(model.dtype)
+
+    @property
+    def min_pack_rows(self) -> int:
+        """A request with fewer new tokens than this runs its matmuls alone in a batched
+        prefill (`engine/batch.py`); from it on, its rows packed with others keep its bits."""
+        if self.spec.layers == 0:
+            return 1
+        block = self.layers[0]
+        return pack_rows_needed([m.weight for m in block.modules() if isinstance(m, nn.Linear)])
 
     # ---- forward pieces ---------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ from dualpath.frontend.schema import (
     refuse_not_served,
 )
 from dualpath.frontend.sessions import session_key
+from dualpath.grpc_bounds import MAX_ID_CHARS
+from dualpath.sampling import SamplingParams
 
 
 async def read_json(fr: Frontend, request: Request) -> Any:
@@ -140,6 +142,13 @@ def turn_for(
     """The turn the backend serves, and its session id ("" without one)."""
     fe, vocab_size = fr.fe, fr.vocab_size
     sid = req.session_id or request.headers.get("x-session-id") or req.user
+    if sid and len(sid) > MAX_ID_CHARS:  # the header's (the body's is bounded by the schema)
+        raise ApiError(
+            400,
+            f"session id is {len(sid)} characters; at most {MAX_ID_CHARS}",
+            param="session_id",
+            code="invalid_parameter",
+        )
     salt = cache_salt(tenant, req.cache_salt)
     if ids is None:
         ids = fr.sessions.prompt_ids(session_key(sid, salt), text or "", fr.tok)
@@ -197,17 +206,14 @@ def turn_for(
     rid = f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     temperature = req.temperature or 0.0
     seed = req.seed if req.seed is not None else secrets.randbits(62) if temperature else 0
-    turn = TurnRequest(
-        rid,
-        sid or "",
-        ids,
-        max_new,
-        temperature,
-        tuple(dict.fromkeys(stop_ids)),
-        salt,
+    sampling = SamplingParams(
+        temperature=temperature,
+        max_tokens=max_new,
+        stop_tokens=tuple(dict.fromkeys(stop_ids)),
         seed=seed,
         top_p=req.top_p or 1.0,
         top_k=max(0, req.top_k or 0),
         min_tokens=req.min_tokens,
     )
+    turn = TurnRequest(rid, sid or "", ids, sampling, salt)
     return turn, sid or ""

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from dualpath.config import ModelSpec
 from dualpath.kv.ids import block_ids
+from dualpath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,8 @@ class TurnRequest:
     request_id: str
     session_id: str
     prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    stop_ids: tuple[int, ...] = ()
+    sampling: SamplingParams  # travels whole to the engine (max_tokens, stops, sampler)
     cache_salt: bytes = b""  # seeds the block-id chain (auth.cache_salt); b"": shared cache
-    seed: int = 0  # of the sampler when temperature > 0
-    top_p: float = 1.0  # 1: off
-    top_k: int = 0  # 0: off
-    min_tokens: int = 0  # no stop id ends the answer before this many tokens
 
 
 @dataclass(slots=True)
@@ -139,13 +134,17 @@ class FakeBackend:
         yield routed
         ctx = list(req.prompt_ids)
         reason = "length"
-        for _ in range(req.max_new_tokens):
+        sampling = req.sampling
+        for _ in range(sampling.max_tokens):
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             tok = greedy_next(self.model, ctx)
             ctx.append(tok)
             yield Tokens([tok])
-            if tok in req.stop_ids and len(ctx) - len(req.prompt_ids) >= req.min_tokens:
+            if (
+                tok in sampling.stop_tokens
+                and len(ctx) - len(req.prompt_ids) >= sampling.min_tokens
+            ):
                 reason = "stop"
                 break
         self.stored.update(block_ids(ctx, self.model, salt=req.cache_salt))

@@ -7,6 +7,7 @@ import logging
 
 from dualpath import config
 from dualpath.grpc_auth import add_token_argument
+from dualpath.log import name_process
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from dualpath.frontend.auth import ApiKeys, ApiKeysError, default_keys_path
     from dualpath.frontend.backend import FakeBackend
 
+    name_process("frontend")
     cfg = config.load_or_default(args.file)
     if args.fake:
         backend = FakeBackend(cfg.spec.model)

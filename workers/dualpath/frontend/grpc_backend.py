@@ -25,10 +25,9 @@ from dualpath.scheduler.index import pack_keys
 from dualpath.scheduler.policy.types import RouteRequest
 from dualpath.scheduler.wire import route_fields
 from dualpath.worker import FAILED_NODE_KEY
+from dualpath.worker.wire import PATH_FROM_PB, Turn, chunk_from_pb, generate_to_pb
 
 log = logging.getLogger(__name__)
-
-_PATHS = {0: "none", 1: "prefill", 2: "decode"}
 
 # Generate failures that say something of the nodes: retried (before the first token) on
 # another pair and counted against the pair by the scheduler's breaker. Others (a bad request,
@@ -194,7 +193,7 @@ class GrpcBackend:
                 len(req.prompt_ids),
                 0,  # the hit is the scheduler's to find (its block index)
                 self.model.kv_bytes_per_token,
-                req.max_new_tokens,
+                req.sampling.max_tokens,
                 req.session_id,
             )
             return await self._sched.route(
@@ -211,48 +210,39 @@ class GrpcBackend:
             ) from None
 
     async def _stream(self, req: TurnRequest, route) -> AsyncIterator[Event]:  # noqa: ANN001
-        from dualpath.v1 import worker_pb2
-
+        turn = Turn(
+            request_id=route.request_id,
+            session_id=req.session_id,
+            prompt=tuple(req.prompt_ids),
+            hit_tokens=route.hit_tokens,
+            read_path=PATH_FROM_PB.get(route.read_path, "prefill"),
+            prefill_node=route.prefill_node,
+            prefill_address=route.prefill_address,
+            cache_salt=req.cache_salt,
+            sampling=req.sampling,
+        )
         call = (await self._worker(route.decode_address)).Generate(
-            worker_pb2.GenerateRequest(
-                request_id=route.request_id,
-                session_id=req.session_id,
-                prompt_tokens=req.prompt_ids,
-                hit_tokens=route.hit_tokens,
-                max_new_tokens=req.max_new_tokens,
-                read_path=route.read_path,
-                prefill_node=route.prefill_node,
-                prefill_address=route.prefill_address,
-                stop_tokens=list(req.stop_ids),
-                temperature=req.temperature,
-                cache_salt=req.cache_salt,
-                seed=req.seed,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                min_tokens=req.min_tokens,
-            ),
-            timeout=self.timeout_s,
+            generate_to_pb(turn), timeout=self.timeout_s
         )
         generated, reason, routed = 0, "", False
         try:
             async for msg in call:
+                chunk = chunk_from_pb(msg)
                 if not routed:  # the first chunk says what served the turn (a bad block may
                     routed = True  # have shortened the hit or turned it into a recompute)
-                    used = int(msg.hit_tokens)
-                    path = _PATHS.get(msg.read_path, "none") if used else "none"
                     yield Routed(
                         route.request_id,
                         route.prefill_node,
                         route.decode_node,
-                        path,
-                        used,
+                        chunk.read_path,
+                        chunk.hit_tokens,
                         route.policy,
                     )
-                if msg.tokens:
-                    generated += len(msg.tokens)
-                    yield Tokens(list(msg.tokens))
-                if msg.finish_reason:
-                    reason = msg.finish_reason
+                if chunk.tokens:
+                    generated += len(chunk.tokens)
+                    yield Tokens(list(chunk.tokens))
+                if chunk.finish_reason:
+                    reason = chunk.finish_reason
         finally:
             call.cancel()  # a turn abandoned early (a no-op once the call has ended)
         if not reason:  # an answer cut short is an error, never an empty success

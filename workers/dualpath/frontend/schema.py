@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dualpath.frontend.errors import ApiError
+from dualpath.grpc_bounds import MAX_ID_CHARS
 
 # Deepest JSON a request may nest: the API's own shapes need 3 (messages[i].content).
 MAX_JSON_DEPTH = 32
@@ -78,8 +79,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOPS)
-    session_id: str | None = None
-    user: str | None = None
+    # carried to the scheduler and the workers, whose gRPC bounds every id (grpc_bounds)
+    session_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    user: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     # as vLLM's: partitions the caller's (its tenant's) cache further; never crosses tenants
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # not served: accepted only at their neutral value (NOT_SERVED)

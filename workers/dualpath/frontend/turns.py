@@ -55,7 +55,7 @@ async def run_turn(
                 if first:
                     metrics.ttft.observe(time.perf_counter() - t0)
                     first = False
-                ids = [i for i in ev.ids if i not in turn.stop_ids]
+                ids = [i for i in ev.ids if i not in turn.sampling.stop_tokens]
                 out_ids.extend(ev.ids)
                 delta = dec.push(ids)
                 out_text += delta

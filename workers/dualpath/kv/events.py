@@ -1,7 +1,7 @@
 """KV events of one store process: the blocks it stored and removed, for the scheduler's index.
 
 `KvEventBuffer` is what `KVStore` writes into (from any thread, under its own lock) and what
-the worker's publisher (`scheduler/events.py`) drains in batches. The last event per key wins,
+the worker's publisher (`scheduler/kv_events.py`) drains in batches. The last event per key wins,
 so a block removed and written again before a batch leaves goes out as stored. The buffer is
 bounded: past `max_keys` it drops what it holds and says so (`lost`), and the publisher makes
 the loss a gap the scheduler sees, which rebuilds its index from a store scan.
@@ -13,8 +13,11 @@ import threading
 from collections.abc import Callable, Iterable
 
 from dualpath.kv.ids import BlockId, block_key
-from dualpath.scheduler.index import ROOT, UNLINKED
 
+# The events' vocabulary, shared by the stores that write them and the scheduler's index that
+# applies them (`scheduler/index.py` imports these: the index sits above the store).
+ROOT = 0  # parent key of a chain's first block (never a key: kv.ids.block_key)
+UNLINKED = -1  # parent unknown (a key found by a scan, or a write that did not say)
 Stored = tuple[int, int, int]  # (key, parent key, depth in the chain)
 
 

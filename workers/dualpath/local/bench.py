@@ -199,9 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first --turns turns, lengths scaled by one factor to fit --context",
     )
     parser.add_argument("--log-file", default=None, help="cluster logs (default: OUT/cluster.log)")
-    from dualpath.local import online  # its module imports this one
-
-    online.add_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -259,7 +256,7 @@ class Progress:
         sys.stderr.flush()
 
 
-def _pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     s = sorted(xs)
@@ -410,8 +407,8 @@ def summarize(
         tokens_per_s=round((prompt + gen) / elapsed_s, 1) if elapsed_s else 0.0,
         generated_tokens_per_s=round(gen / elapsed_s, 2) if elapsed_s else 0.0,
         jct_s=round(elapsed_s, 3),
-        ttft_p50_s=round(_pct([r.ttft_s for r in ok], 0.5), 4),
-        ttft_p99_s=round(_pct([r.ttft_s for r in ok], 0.99), 4),
+        ttft_p50_s=round(pct([r.ttft_s for r in ok], 0.5), 4),
+        ttft_p99_s=round(pct([r.ttft_s for r in ok], 0.99), 4),
         hit_rate=round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
         bytes_read=bytes_read,
         snic_caps_bytes_per_s=snic_caps_bytes_per_s,
@@ -656,13 +653,10 @@ OFFLINE_SIZE = {"agents": 12, "turns": 10}
 
 
 def run(args: argparse.Namespace) -> int:
-    from dualpath.local import online
-
-    for name, value in (online.ONLINE_SIZE if args.online else OFFLINE_SIZE).items():
-        if getattr(args, name) is None:
+    """The offline replay (`bench_cli.run` picks it or the online sweep and sizes them)."""
+    for name, value in OFFLINE_SIZE.items():
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
-    if args.online:
-        return online.run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     spec = trace_spec(args)
     trajectories = generate(spec)

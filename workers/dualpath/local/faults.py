@@ -17,7 +17,7 @@ injects one fault per row into the real processes and files while clients send r
 | disconnects | 100 streams cut by their client after the first chunk, then normal turns |
 | overload | a burst of concurrent turns far above what the nodes hold at once |
 | http-fuzz | 320 seeded malformed bodies (`dualpath.local.fuzz.http_cases`) |
-| grpc-fuzz | seeded malformed Scheduler calls with the cluster token (`grpc_cases`) |
+| grpc-fuzz | seeded malformed Scheduler and Worker calls with the cluster token (`grpc_cases`): every RPC, Prefill's agent metadata and regions included |
 | sigint | SIGINT to `dualpath up` while streams run: they must finish, no process left |
 
 Per row: requests sent, succeeded, failed cleanly (an HTTP error with a JSON body, or a
@@ -110,7 +110,6 @@ class Cluster:
         )
         self.proc: subprocess.Popen | None = None
         self.frontend = self.scheduler = ""
-        self.argv: dict[str, list[str]] = {}  # name -> command line of its first process
 
     def start(self, timeout_s: float = 240.0) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -134,9 +133,6 @@ class Cluster:
             m = re.search(rb"READY up frontend=(\S+) scheduler=(\S+)", buf)
             if m:
                 self.frontend, self.scheduler = m.group(1).decode(), m.group(2).decode()
-                for name, pid in self.pids().items():
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    self.argv[name] = cmdline.decode(errors="replace").split("\0")
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -187,8 +183,13 @@ class Cluster:
         return tree
 
     def ready_url(self, name: str) -> str:
-        argv = self.argv[name]
-        return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/readyz"
+        """From the process's own READY line (its command line is its title: `dualpath
+        decode:decode-0`; a restart keeps the port)."""
+        text = self.log_file.read_text(errors="replace")
+        ports = re.findall(rf"\[{re.escape(name)}\]\s+READY .*\bmetrics=(\d+)", text)
+        if not ports:
+            raise RuntimeError(f"{name} has said no READY line with its metrics port")
+        return f"http://127.0.0.1:{ports[-1]}/readyz"
 
     def kill(self, name: str) -> int:
         pid = self.pid(name)
@@ -755,24 +756,48 @@ class Suite:
         import grpc
 
         from dualpath.grpc_auth import ClusterToken
-        from dualpath.local.fuzz import grpc_cases
+        from dualpath.local.fuzz import WORKER_METHODS, grpc_cases
         from dualpath.scheduler.client import channel
+        from dualpath.v1 import scheduler_pb2 as pb
         from dualpath.v1 import scheduler_pb2_grpc as pb_grpc
+        from dualpath.v1 import worker_pb2 as wpb
+        from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 
         row = Row("grpc-fuzz")
-        ch = channel(self.cl.scheduler, ClusterToken(self.cl.run_dir / "token"))
+        token = ClusterToken(self.cl.run_dir / "token")
+        ch = channel(self.cl.scheduler, token)
         stub = pb_grpc.SchedulerStub(ch)
+        # one worker of each role, from the scheduler's view; a real decode agent, so some
+        # Prefill calls fail on their regions rather than on the agent
+        view = await stub.ClusterView(pb.ClusterViewRequest(), timeout=5)
+        roles = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
+        addresses = {roles[n.role]: n.address for n in view.nodes if n.role in roles}
+        channels = {role: channel(a, token) for role, a in addresses.items()}
+        workers = {role: wpb_grpc.WorkerStub(c) for role, c in channels.items()}
+        agent = None
+        if "decode" in workers:
+            info = await workers["decode"].GetTransferInfo(wpb.TransferInfoRequest(), timeout=5)
+            agent = (info.agent, info.metadata)
         bad = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
         codes: dict[str, int] = {}
         results = []
-        cases = grpc_cases(120 if self.quick else 400)
+        cases = grpc_cases(120 if self.quick else 400, decode_agent=agent)
         try:
             for case in cases:
                 res = Result("ok", start_s=time.monotonic())
-                call = getattr(stub, case.method)
+                if case.service == "Worker":
+                    target = workers.get(WORKER_METHODS[case.method])
+                    if target is None:
+                        continue
+                    call = getattr(target, case.method)
+                else:
+                    call = getattr(stub, case.method)
                 try:
                     if case.method in ("Heartbeats", "KvSnapshot"):
                         await _stream_call(call(timeout=5), case.request)
+                    elif case.method in ("Generate", "Prefill"):  # server streams
+                        async for _ in call(case.request, timeout=5):
+                            pass
                     else:
                         await call(case.request, timeout=5)
                     code = "OK"
@@ -789,10 +814,12 @@ class Suite:
                 results.append(res)
         finally:
             await ch.close()
+            for c in channels.values():
+                await c.close()
         after = [await self.c.turn(i) for i in self.ref_ids[:4]]
         row.add(results, bad_input=True)
         row.add(after)
-        worst = sorted(codes.items(), key=lambda kv: -kv[1])[:6]
+        worst = sorted(codes.items(), key=lambda kv: -kv[1])
         row.note = (
             f"{len(cases)} calls: "
             + ", ".join(f"{k}x{v}" for k, v in worst)

@@ -102,15 +102,26 @@ ODD_BYTES = (b"", b"\x01", b"\x00" * 7, b"\xff" * 9, b"\x00" * 8 * 3)
 
 @dataclass(frozen=True, slots=True)
 class GrpcCase:
-    method: str  # Scheduler method: Route, Register, Heartbeats, Complete, KvEvents, KvSnapshot
+    method: str  # Route, Register, Heartbeats, Complete, KvEvents, KvSnapshot, Drain, ... (below)
     request: Any  # the message (Heartbeats, KvSnapshot: a list of messages, streamed)
+    service: str = "Scheduler"  # or "Worker": Generate (a decode node), Prefill (a prefill node)
 
 
-def grpc_cases(n: int, seed: int = 19) -> list[GrpcCase]:
-    """`n` seeded Scheduler calls with out-of-range or malformed fields. No case is a valid
-    registration (that would add a real, addressless node to a cluster under test); heartbeats
-    name nodes that are not registered, Complete ids that were never routed."""
+# Worker RPCs and the node role that serves each.
+WORKER_METHODS = {"Generate": "decode", "Prefill": "prefill", "GetTransferInfo": "decode"}
+
+
+def grpc_cases(
+    n: int, seed: int = 19, decode_agent: tuple[str, bytes] | None = None
+) -> list[GrpcCase]:
+    """`n` seeded Scheduler and Worker calls with out-of-range or malformed fields. No case is a
+    valid registration (that would add a real, addressless node to a cluster under test) or a
+    valid turn; heartbeats, drains and snapshots name nodes that are not registered, Complete
+    ids that were never routed. `decode_agent`: a real decode node's agent (name, metadata), so
+    some Prefill calls name a known agent and fail on their regions instead (a region outside
+    its buffer: what NIXL would fail with NIXL_ERR_NOT_FOUND)."""
     from dualpath.v1 import scheduler_pb2 as pb
+    from dualpath.v1 import worker_pb2 as wpb
 
     rng = random.Random(seed)
 
@@ -183,6 +194,66 @@ def grpc_cases(n: int, seed: int = 19) -> list[GrpcCase]:
             )
         ]
 
+    def drain() -> Any:
+        return pb.DrainRequest(node_id=f"fuzz-ghost-{rng.randrange(9)}" + rng.choice(ODD_STRINGS))
+
+    def cluster_view() -> Any:
+        return pb.ClusterViewRequest()
+
+    def bad_tokens() -> list[int]:
+        return rng.choice(([], [-1], [2**31 - 1], [5] * rng.randrange(1, 40) + [10**6]))
+
+    def generate() -> Any:
+        # a bad prompt, or a sampling field out of range: never a turn a node would serve
+        fields = dict(
+            request_id=rng.choice(ODD_STRINGS),
+            session_id=rng.choice(ODD_STRINGS),
+            prompt_tokens=[5] * rng.randrange(1, 40),
+            hit_tokens=rng.choice(ODD_INTS),
+            max_new_tokens=rng.choice((1, 4)),
+            read_path=rng.choice((0, 1, 2, 9)),
+            prefill_node=rng.choice(ODD_STRINGS),
+            prefill_address=rng.choice(ODD_STRINGS),
+            cache_salt=rng.choice((*ODD_BYTES, b"s" * 65)),
+            seed=rng.choice(ODD_INTS),
+            stop_tokens=rng.choice(([], [-1], [2**31 - 1], [3])),
+        )
+        bad = rng.choice(("prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k"))
+        fields[bad] = {
+            "prompt_tokens": bad_tokens(),
+            "max_new_tokens": rng.choice(ODD_INT32[:3]),
+            "temperature": rng.choice((math.nan, math.inf, -1.0)),
+            "top_p": rng.choice((math.nan, 1.5, -0.5)),
+            "top_k": rng.choice((-1, -(2**31))),
+        }[bad]
+        return wpb.GenerateRequest(**fields)
+
+    def region() -> Any:
+        return wpb.Region(
+            address=rng.choice(ODD_UINT64[1:] + (8, 4096)),
+            length=rng.choice(ODD_UINT64 + (1 << 20,)),
+        )
+
+    def prefill() -> Any:
+        agent, metadata = rng.choice(
+            (("fuzz-agent", rng.choice(ODD_BYTES + (b"junk" * 100,))), decode_agent or ("", b""))
+        )
+        return wpb.PrefillRequest(
+            request_id=rng.choice(ODD_STRINGS) + "-fuzz",
+            prompt_tokens=rng.choice((bad_tokens(), [5] * rng.randrange(1, 60))),
+            hit_tokens=rng.choice((0, 16, 7, *ODD_INTS)),
+            read_path=rng.choice((0, 1, 2, 9)),
+            decode_node=rng.choice(ODD_STRINGS),
+            decode_agent=agent,
+            decode_agent_metadata=metadata,
+            decode_hit=region() if rng.random() < 0.7 else None,
+            decode_new=region() if rng.random() < 0.9 else None,
+            cache_salt=rng.choice(ODD_BYTES),
+        )
+
+    def transfer_info() -> Any:
+        return wpb.TransferInfoRequest()
+
     makers: dict[str, Callable[[], Any]] = {
         "Route": route,
         "Register": register,
@@ -190,6 +261,14 @@ def grpc_cases(n: int, seed: int = 19) -> list[GrpcCase]:
         "Complete": complete,
         "KvEvents": kv_events,
         "KvSnapshot": kv_snapshot,
+        "Drain": drain,
+        "ClusterView": cluster_view,
+        "Generate": generate,
+        "Prefill": prefill,
+        "GetTransferInfo": transfer_info,
     }
     names = sorted(makers)
-    return [GrpcCase(m, makers[m]()) for m in (rng.choice(names) for _ in range(n))]
+    return [
+        GrpcCase(m, makers[m](), "Worker" if m in WORKER_METHODS else "Scheduler")
+        for m in (rng.choice(names) for _ in range(n))
+    ]

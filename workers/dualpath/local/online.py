@@ -159,10 +159,10 @@ def point(rate: float, agents: int, results: list[bench.TurnResult], elapsed_s: 
         elapsed_s=round(elapsed_s, 3),
         tokens_per_s=round(tokens / elapsed_s, 1) if elapsed_s > 0 else 0.0,
         turns_per_s=round(len(ok) / elapsed_s, 3) if elapsed_s > 0 else 0.0,
-        ttft_p50_s=round(bench._pct(ttft, 0.5), 4),
-        ttft_p90_s=round(bench._pct(ttft, 0.9), 4),
-        ttft_p99_s=round(bench._pct(ttft, 0.99), 4),
-        tpot_p50_s=round(bench._pct(tpot, 0.5), 4),
+        ttft_p50_s=round(bench.pct(ttft, 0.5), 4),
+        ttft_p90_s=round(bench.pct(ttft, 0.9), 4),
+        ttft_p99_s=round(bench.pct(ttft, 0.99), 4),
+        tpot_p50_s=round(bench.pct(tpot, 0.5), 4),
         refused=sum(1 for r in results if not r.ok and r.error.startswith("HTTP 429")),
         errors=dict(Counter(r.error[:80] for r in results if not r.ok)),
     )
@@ -302,7 +302,7 @@ def _unloaded_ttft(
     failed = [r for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"unloaded turns failed ({len(failed)}): {failed[0].error}")
-    return round(bench._pct([r.ttft_s for r in results], 0.5), 4)
+    return round(bench.pct([r.ttft_s for r in results], 0.5), 4)
 
 
 def sweep(

@@ -17,6 +17,7 @@ negative for a signal). Only children of this module's `dualpath.cli` entry poin
 from __future__ import annotations
 
 import array
+import contextlib
 import importlib
 import json
 import logging
@@ -46,6 +47,8 @@ PRELOAD = (
     "dualpath.kv",
     "dualpath.worker.cli",
     "dualpath.worker.node",
+    "dualpath.worker.parts",
+    "dualpath.worker.service",
     "dualpath.worker.decode",
     "dualpath.worker.prefill",
     "dualpath.scheduler.cli",
@@ -101,6 +104,10 @@ def serve(sock: socket.socket) -> None:
     """The zygote's loop: fork on request, report exits; returns when the socket closes."""
     for name in PRELOAD:
         importlib.import_module(name)
+    # setproctitle finds the argv memory it rewrites on first use, checking it against
+    # sys.argv: here, before a child replaces sys.argv, so each child can say what it is
+    with contextlib.suppress(ImportError):  # a dependency; without it, only the thread name
+        importlib.import_module("setproctitle").getproctitle()
     sock.sendall(b'{"ready": true}\n')
     while True:
         while True:  # reap

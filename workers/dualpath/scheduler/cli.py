@@ -10,6 +10,7 @@ import signal
 from dualpath import config
 from dualpath.grpc_auth import ClusterToken, add_token_argument
 from dualpath.grpc_auth import load as load_token
+from dualpath.log import name_process
 from dualpath.observability import ObservabilityServer, loop_liveness
 from dualpath.scheduler.policy import POLICY_NAMES
 from dualpath.units import gbps_to_bytes_per_s
@@ -56,6 +57,7 @@ def build(
 
 
 async def serve(args: argparse.Namespace) -> None:
+    name_process("scheduler")
     cfg = config.load_or_default(args.file)
     port = args.port if args.port is not None else cfg.spec.scheduler.port
     server = build(cfg, args.policy, args.host, port, load_token(args.token_file, "scheduler"))

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from operator import itemgetter
 
-ROOT = 0  # parent key of a chain's first block (never a key: kv.ids.block_key)
-UNLINKED = -1  # parent unknown (a key found by a scan, or a write that did not say)
+from dualpath.kv.events import ROOT, UNLINKED  # the vocabulary of the events it applies
+
 ANCHOR_EVERY = 64  # default depth between two anchors of the holes (BlockIndex._anchored)
 _COUNT = 1 << 24  # _kids value: children count * _COUNT + the parent's depth
 _DEPTH = _COUNT - 1

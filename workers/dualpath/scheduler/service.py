@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dualpath.grpc_auth import ClusterToken, server_interceptors
+from dualpath.grpc_bounds import BoundsInterceptor, refuse
 from dualpath.scheduler import metrics as m
 from dualpath.scheduler.index import Applied, keys_view, unpack_keys
 from dualpath.scheduler.policy import ReadPath
@@ -88,6 +89,13 @@ def register_request_problem(r: pb.RegisterRequest) -> str | None:
     )
 
 
+async def _refuse(context, method: str, message: str, problem: str, field: str = "") -> None:  # noqa: ANN001
+    """INVALID_ARGUMENT `<message>: <problem>`, counted under the field the problem names
+    first (or `field`)."""
+    name = field or problem.split(" ", 1)[0].rstrip(":,")
+    await refuse(context, "scheduler", method, f"{message}.{name}", f"{message}: {problem}")
+
+
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -109,7 +117,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Register(self, request, context):  # noqa: N802 (gRPC API)
         problem = register_request_problem(request)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RegisterRequest: {problem}")
+            await _refuse(context, "Register", "RegisterRequest", problem)
         state = node_from_register(request)
         try:
             self.state.register(
@@ -135,7 +143,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 problem = "node_id is required" if not hb.node_id else load_problem("load", hb.load)
                 if problem is not None:
                     m.HEARTBEATS_REFUSED.inc()
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat: {problem}")
+                    await _refuse(context, "Heartbeats", "Heartbeat", problem)
                 ld = load_from_pb(hb.load)
                 known = self.state.heartbeat(hb.node_id, **ld._asdict(), incarnation=hb.incarnation)
                 snapshot_id = 0
@@ -167,15 +175,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             depths = unpack_keys(request.stored_depths)
             removed = unpack_keys(request.removed_keys)
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KvEventBatch: {err}")
+            await _refuse(context, "KvEvents", "KvEventBatch", str(err), field="keys")
         if not request.node_id or request.seq < 1:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "KvEventBatch: node_id and seq >= 1 are required"
-            )
+            await _refuse(context, "KvEvents", "KvEventBatch", "node_id and seq >= 1 are required")
         if not len(stored_keys) == len(parents) == len(depths):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "KvEventBatch: stored_keys, stored_parents and stored_depths differ in length",
+            await _refuse(
+                context,
+                "KvEvents",
+                "KvEventBatch",
+                "stored_keys, stored_parents and stored_depths differ in length",
             )
         index = self.state.index
         was_ready = index.ready
@@ -208,7 +216,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             try:
                 keys.extend(unpack_keys(chunk.keys))
             except ValueError as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KvSnapshotChunk: {err}")
+                await _refuse(context, "KvSnapshot", "KvSnapshotChunk", str(err), field="keys")
         installed = self.state.index.install_snapshot(snapshot_id, keys)
         if installed:
             m.INDEX_REBUILDS.inc()
@@ -232,11 +240,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Route(self, request, context):  # noqa: N802
         problem = route_request_problem(request)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RouteRequest: {problem}")
+            await _refuse(context, "Route", "RouteRequest", problem)
         try:
             keys = keys_view(request.block_keys)
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_keys: {err}")
+            await _refuse(context, "Route", "RouteRequest", f"block_keys: {err}")
         hit = self.state.hit_tokens(request.prompt_tokens, keys)
         m.INDEX_LOOKUPS.labels(
             "unready" if not self.state.index.ready else "hit" if hit else "miss"
@@ -352,7 +360,9 @@ class SchedulerServer:
     ) -> None:
         self.servicer = servicer
         # every call but health and reflection needs the cluster token (Register included)
-        self.server = grpc.aio.server(interceptors=server_interceptors(token, "scheduler"))
+        self.server = grpc.aio.server(
+            interceptors=[*server_interceptors(token, "scheduler"), BoundsInterceptor("scheduler")]
+        )
         pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

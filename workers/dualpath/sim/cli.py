@@ -30,8 +30,9 @@ from dualpath import trace
 from dualpath.config import ClusterConfig, ModelSpec, load
 from dualpath.scheduler.policy import thresholds_from_spec
 from dualpath.scheduler.policy.types import Thresholds
-from dualpath.sim.engine import CONTEXT_RULES, SimConfig, SimResult, Simulator, percentile
-from dualpath.sim.model import CostModel, Hardware, context_limit
+from dualpath.sim.engine import SimConfig, SimResult, Simulator, percentile, slo_attainment
+from dualpath.sim.model import CostModel, Hardware
+from dualpath.sim.options import add_context_arguments, context_limit_of
 from dualpath.sim.presets import PRESETS, Preset
 
 log = logging.getLogger(__name__)
@@ -111,43 +112,8 @@ def _policy(name: str) -> Any:
     return get_policy(name)
 
 
-def add_context_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--max-context` and `--context-rule`: what a turn over the model's context does (`dualpath
-    sim` and `dualpath sim plan`); `context_limit_of` reads them."""
-    parser.add_argument(
-        "--max-context",
-        type=int,
-        help="context limit in tokens (default: the model's, e.g. 131072; 0 = none)",
-    )
-    parser.add_argument(
-        "--context-rule",
-        choices=CONTEXT_RULES,
-        default="truncate",
-        help="a turn over the limit: truncate (keep the prompt's first limit-gen tokens) or "
-        "refuse it (counted)",
-    )
-
-
-def context_limit_of(args: argparse.Namespace, model: ModelSpec) -> int:
-    """`--max-context`, or the model's own context limit when it is not given."""
-    return context_limit(model.preset) if args.max_context is None else args.max_context
-
-
 class Refused(ValueError):
     """A command-line option that this run cannot honour; the message names it."""
-
-
-def slo_attainment(r: SimResult, ttft_s: float, tpot_s: float | None) -> float | None:
-    """Fraction of measured turns meeting both SLOs (turns unfinished at the end fail)."""
-    if not r.ttft_s:
-        return None
-    tpot = r.tpot_s
-    ok = sum(
-        1
-        for i, t in enumerate(r.ttft_s[: len(tpot)])
-        if t <= ttft_s and (tpot_s is None or tpot[i] <= tpot_s)
-    )
-    return round(ok / len(r.ttft_s), 4)
 
 
 def _stats(

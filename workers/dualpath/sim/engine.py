@@ -260,6 +260,7 @@ class Simulator:
             )
             for i in range(cfg.decode_nodes)
         ]
+        self.nodes: list[_Prefill | _Decode] = [*self.pre, *self.dec]
         self.p_index = {n.state.node_id: i for i, n in enumerate(self.pre)}
         self.d_index = {n.state.node_id: i for i, n in enumerate(self.dec)}
         self.view = ClusterView(
@@ -290,14 +291,13 @@ class Simulator:
     def _refresh(self, now: float) -> None:
         """Heartbeat: every node reports its read-queue backlog."""
         bw = self.snic_bw
-        for n in self.pre:
-            n.state.read_pending_bytes = (
-                int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
-            )
-        for n in self.dec:
-            n.state.read_pending_bytes = (
-                int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
-            )
+        # Only a changed value is written: the setter tells the policy's pools to re-rank the
+        # node, and most read queues are empty (0 -> 0) at most heartbeats (the hot path).
+        for n in self.nodes:
+            v = int((n.snic_free_s - now) * bw) if n.snic_free_s > now else 0
+            st = n.state
+            if st._read_pending_bytes != v:
+                st.read_pending_bytes = v
         self.last_refresh_s = now
 
     def _start(self, tr: Trajectory, at: float, session: int = -1) -> int:
@@ -729,3 +729,16 @@ def _stderr_progress(name: str, now: float, horizon: float, turns: int) -> None:
     h = f"/{horizon:.0f}" if math.isfinite(horizon) else ""
     sys.stderr.write(f"[sim {name}] t={now:.1f}{h}s turns={turns}\n")
     sys.stderr.flush()
+
+
+def slo_attainment(r: SimResult, ttft_s: float, tpot_s: float | None) -> float | None:
+    """Fraction of measured turns meeting both SLOs (turns unfinished at the end fail)."""
+    if not r.ttft_s:
+        return None
+    tpot = r.tpot_s
+    ok = sum(
+        1
+        for i, t in enumerate(r.ttft_s[: len(tpot)])
+        if t <= ttft_s and (tpot_s is None or tpot[i] <= tpot_s)
+    )
+    return round(ok / len(r.ttft_s), 4)

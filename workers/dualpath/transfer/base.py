@@ -66,6 +66,9 @@ class TransferBase:
     def _disconnect(self, peer: str) -> None:
         """Forget a dropped peer on the transport's side (nothing to do by default)."""
 
+    def _covers(self, peer: str, address: int, nbytes: int) -> bool:
+        raise NotImplementedError
+
     async def _write(
         self, peer: str, src: int, nbytes: int, dst: int, notif: bytes, deadline: float
     ) -> None:
@@ -86,6 +89,13 @@ class TransferBase:
 
     def knows(self, peer: str) -> bool:
         return peer in self._peers
+
+    def covers(self, peer: str, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) lies in the registered buffer of `peer` (a
+        known one): what a WRITE there needs, checked before it is posted."""
+        if peer not in self._peers or address < 0 or nbytes < 0 or address + nbytes >= 1 << 64:
+            return False  # (NIXL's own lookup wraps an end past 2^64 around)
+        return self._covers(peer, address, nbytes)
 
     def remove_peer(self, peer: str) -> None:
         if self._peers.pop(peer, None) is not None:

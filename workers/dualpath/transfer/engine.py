@@ -102,6 +102,16 @@ class TransferEngine(TransferBase):
         except Exception as err:  # already gone on the NIXL side
             log.debug("remove_remote_agent(%s): %s", peer, err)
 
+    def _covers(self, peer: str, address: int, nbytes: int) -> bool:
+        # NIXL's own lookup of the descriptor in the peer's metadata (the one a WRITE's
+        # preparation fails with NIXL_ERR_NOT_FOUND), without posting anything
+        try:
+            descs = self.agent.get_xfer_descs([(address, nbytes, 0)], "DRAM")
+            return bool(self.agent.check_remote_metadata(peer, descs))
+        except Exception as err:  # the bindings raise plain exceptions (an address > 2^64)
+            log.debug("check_remote_metadata(%s, %#x, %d): %s", peer, address, nbytes, err)
+            return False
+
     # ---- writes ------------------------------------------------------------------------------
 
     async def _write(

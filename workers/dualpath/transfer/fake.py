@@ -88,6 +88,13 @@ class MemoryTransfer(TransferBase):
             raise TransferError(f"no KV peer {name!r} on the fabric")
         return name
 
+    def _covers(self, peer: str, address: int, nbytes: int) -> bool:
+        target = self.fabric.engines.get(peer)
+        if target is None:
+            return False
+        start = target.pool.address
+        return start <= address and address + nbytes <= start + target.pool.nbytes
+
     async def _write(
         self, peer: str, src: int, nbytes: int, dst: int, notif: bytes, deadline: float
     ) -> None:

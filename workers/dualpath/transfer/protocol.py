@@ -48,6 +48,10 @@ class KVTransfer(Protocol):
 
     def knows(self, peer: str) -> bool: ...
 
+    def covers(self, peer: str, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) lies in `peer`'s registered buffer."""
+        ...
+
     def remove_peer(self, peer: str) -> None: ...
 
     async def write(

@@ -12,6 +12,7 @@ import socket
 from dualpath import config
 from dualpath.grpc_auth import add_token_argument
 from dualpath.grpc_auth import load as load_token
+from dualpath.log import name_process
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ async def serve(args: argparse.Namespace) -> int:
     cfg = config.load_or_default(args.file)
     role = config.Role(args.role)
     node_id = args.node_id or os.environ.get("POD_NAME") or f"{role.value}-{args.index}"
+    name_process(f"{role.value}:{node_id}")  # ps, pgrep and the log lines tell the roles apart
     opts = NodeOptions(
         role=role,
         node_id=node_id,

@@ -20,6 +20,7 @@ that was closed may still write into its old ones until it returns), validated a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -29,33 +30,29 @@ import grpc
 import torch
 
 from dualpath.config import ModelSpec
-from dualpath.engine import CacheFullError, Engine, SamplingParams
+from dualpath.engine import CacheFullError, Engine
 from dualpath.kv import KVLoadError, block_ids
-from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.kv.protocol import BlockStore
 from dualpath.kv.queue import ReadQueue
 from dualpath.transfer.protocol import KVTransfer, TransferError
-from dualpath.v1 import scheduler_pb2 as spb
-from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
 from dualpath.worker.kvstream import hit_notif, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
-from dualpath.worker.prefill import (
-    PATH_NAMES,
-    VALID_HIT_KEY,
-    WRITES_IN_FLIGHT_KEY,
-    HitUnavailable,
-)
+from dualpath.worker.prefill import VALID_HIT_KEY, WRITES_IN_FLIGHT_KEY, HitUnavailable
 from dualpath.worker.regions import release_regions
+from dualpath.worker.wire import (
+    Accepted,
+    Done,
+    PrefillOrder,
+    Region,
+    Turn,
+    TurnChunk,
+    prefill_message_from_pb,
+    prefill_to_pb,
+)
 
 log = logging.getLogger(__name__)
-
-_PATH_ENUM = {
-    "prefill": spb.READ_PATH_PREFILL,
-    "decode": spb.READ_PATH_DECODE,
-    "none": spb.READ_PATH_UNSPECIFIED,
-}
 
 
 class PrefillFailed(RuntimeError):
@@ -152,29 +149,19 @@ class DecodeRole:
 
     # ---- one turn -----------------------------------------------------------------------------
 
-    async def generate(self, req: wpb.GenerateRequest) -> AsyncIterator[wpb.GenerateChunk]:
+    async def generate(self, turn: Turn) -> AsyncIterator[TurnChunk]:
+        """Serve one turn (checked by the wire: `wire.generate_from_pb`); yield its chunks."""
         model = self.model
-        prompt = list(req.prompt_tokens)
-        if not prompt:
-            raise ValueError("prompt_tokens is empty")
-        if req.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} outside the vocabulary (0..{model.vocab_size - 1})"
-            )
-        salt = bytes(req.cache_salt)
-        if len(salt) > MAX_SALT_BYTES:
-            raise ValueError(f"cache_salt is {len(salt)} bytes; at most {MAX_SALT_BYTES}")
-        rid = req.request_id
-        hit = min(int(req.hit_tokens), (len(prompt) - 1) // model.block_tokens * model.block_tokens)
+        prompt = list(turn.prompt)
+        salt = turn.cache_salt
+        rid = turn.request_id
+        hit = min(turn.hit_tokens, (len(prompt) - 1) // model.block_tokens * model.block_tokens)
         hit -= hit % model.block_tokens
-        path = PATH_NAMES.get(req.read_path, "prefill") if hit else "none"
+        path = turn.read_path if hit else "none"
         t0 = time.perf_counter()
         self.tokens_queued += len(prompt)
         try:
-            attempt = req
+            attempt = turn
             for retry in itertools.count(1):
                 try:
                     kv, logits, hit, path = await self._exchange(attempt, prompt, hit, path)
@@ -199,21 +186,11 @@ class DecodeRole:
                     hit, path = keep, (path if keep else "none")
                     # a fresh id: a late WRITE notification of the failed attempt must not
                     # satisfy a wait of the retry
-                    attempt = wpb.GenerateRequest()
-                    attempt.CopyFrom(req)
-                    attempt.request_id = f"{rid}#{retry}"
+                    attempt = dataclasses.replace(turn, request_id=f"{rid}#{retry}")
         finally:
             self.tokens_queued -= len(prompt)
         prefill_s = time.perf_counter() - t0
-        params = SamplingParams(
-            temperature=max(0.0, req.temperature),
-            max_tokens=req.max_new_tokens,
-            stop_tokens=tuple(req.stop_tokens),
-            seed=req.seed,
-            top_p=req.top_p if 0 < req.top_p < 1 else 1.0,
-            top_k=max(0, req.top_k),
-            min_tokens=min(max(0, req.min_tokens), req.max_new_tokens),
-        )
+        params = turn.sampling
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         admitted = False
@@ -233,10 +210,10 @@ class DecodeRole:
             self.requests_running += 1
             generated = [first.token]
             out = first
-            head = dict(hit_tokens=hit, read_path=_PATH_ENUM[path], prefill_seconds=prefill_s)
+            head = dict(hit_tokens=hit, read_path=path, prefill_s=prefill_s)
             t_first = time.perf_counter()
             if not out.finished:
-                yield wpb.GenerateChunk(tokens=[out.token], **head)
+                yield TurnChunk((out.token,), **head)
                 head = {}
                 self._work.set()
                 while True:
@@ -246,13 +223,11 @@ class DecodeRole:
                     generated.append(out.token)
                     if out.finished:
                         break
-                    yield wpb.GenerateChunk(tokens=[out.token])
+                    yield TurnChunk((out.token,))
                 tpot_s = (time.perf_counter() - t_first) / (len(generated) - 1)
                 metrics.TPOT_SECONDS.observe(tpot_s)
             await self._store_turn(rid, prompt, generated, hit, salt)
-            yield wpb.GenerateChunk(
-                tokens=[out.token], finish_reason=out.reason or "length", **head
-            )
+            yield TurnChunk((out.token,), finish_reason=out.reason or "length", **head)
             outcome = "ok"
         finally:
             self._queues.pop(rid, None)
@@ -306,7 +281,7 @@ class DecodeRole:
         await self.flush_kv_events()  # the agent's next turn must find them in the index
 
     async def _exchange(
-        self, req: wpb.GenerateRequest, prompt: list[int], hit: int, path: str
+        self, req: Turn, prompt: list[int], hit: int, path: str
     ) -> tuple[list, torch.Tensor, int, str]:
         """`_prefill`, shielded from the turn's cancellation once the prefill node holds this
         node's buffer addresses: the exchange then runs to its end (bounded by its deadlines)
@@ -335,7 +310,7 @@ class DecodeRole:
 
     async def _prefill(
         self,
-        req: wpb.GenerateRequest,
+        req: Turn,
         prompt: list[int],
         hit: int,
         path: str,
@@ -373,38 +348,40 @@ class DecodeRole:
             regions.append(new_region)
             stub = await self.worker_stub(req.prefill_address)
             ex.started = True
-            call = stub.Prefill(
-                wpb.PrefillRequest(
-                    request_id=rid,
-                    prompt_tokens=prompt,
-                    cache_salt=req.cache_salt,
-                    hit_tokens=layout.hit_tokens,
-                    read_path=_PATH_ENUM[path],
-                    decode_node=self.node_id,
-                    decode_agent=transfer.name,
-                    decode_agent_metadata=transfer.metadata,
-                    decode_hit=wpb.Region(address=hit_region.address, length=hit_region.nbytes)
-                    if hit_region is not None
-                    else None,
-                    decode_new=wpb.Region(address=new_region.address, length=new_region.nbytes),
-                ),
-                timeout=self.request_timeout_s,
+            order = PrefillOrder(
+                request_id=rid,
+                prompt=tuple(prompt),
+                hit_tokens=layout.hit_tokens,
+                read_path=path,
+                decode_node=self.node_id,
+                decode_agent=transfer.name,
+                decode_agent_metadata=transfer.metadata,
+                decode_hit=Region(hit_region.address, hit_region.nbytes)
+                if hit_region is not None
+                else None,
+                decode_new=Region(new_region.address, new_region.nbytes),
+                cache_salt=req.cache_salt,
             )
+            call = stub.Prefill(prefill_to_pb(order), timeout=self.request_timeout_s)
             stream = call.__aiter__()
-            accepted = (await anext(stream)).accepted
-            peer = accepted.prefill_agent
+            accepted = prefill_message_from_pb(await anext(stream))
+            if not isinstance(accepted, Accepted):
+                raise PrefillFailed(f"prefill of {rid}: {accepted} before accepted")
+            peer = accepted.agent
             if not transfer.knows(peer):
-                transfer.add_peer(accepted.prefill_agent_metadata)
+                transfer.add_peer(accepted.metadata)
             if path == "decode":
+                if accepted.hit is None:
+                    raise PrefillFailed(f"prefill of {rid}: accepted path D without prefill_hit")
                 tasks = stream_hit_layers(
-                    transfer, handle, layout, hit_region, peer, accepted.prefill_hit.address, rid
+                    transfer, handle, layout, hit_region, peer, accepted.hit.address, rid
                 )
             # a failed hit-layer read here ends the wait at once (gather raises the first error)
             done_msg, *_ = await asyncio.gather(anext(stream), *tasks)
             peer_ended = True  # `done` follows the completion of all its WRITEs
-            if done_msg.WhichOneof("kind") != "done":
-                raise PrefillFailed(f"prefill of {rid}: unexpected message {done_msg}")
-            done = done_msg.done
+            done = prefill_message_from_pb(done_msg)
+            if not isinstance(done, Done):
+                raise PrefillFailed(f"prefill of {rid}: unexpected message {done}")
             waits = [
                 transfer.wait_notif(peer, new_notif(rid, i), deadline_s)
                 for i in range(layout.layers)

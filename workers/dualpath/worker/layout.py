@@ -14,63 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpath.config import ModelSpec
 from dualpath.kv.buffers import TORCH_DTYPES, LayerKV, request_layer_views
-from dualpath.kv.format import BlockLayout
+from dualpath.worker.sizes import RequestSizes
 
 
 @dataclass(frozen=True)
-class RequestLayout:
-    """The KV regions of one request: `hit_blocks` from storage, `new_tokens` computed."""
-
-    block: BlockLayout
-    hit_blocks: int
-    new_tokens: int
-
-    @classmethod
-    def of(cls, model: ModelSpec, hit_tokens: int, prompt_tokens: int) -> RequestLayout:
-        if hit_tokens % model.block_tokens:
-            raise ValueError(
-                f"hit_tokens ({hit_tokens}) must be whole blocks of {model.block_tokens}"
-            )
-        if not 0 <= hit_tokens < prompt_tokens:
-            raise ValueError(
-                f"hit_tokens ({hit_tokens}) must leave at least one of the {prompt_tokens} "
-                "prompt tokens to prefill"
-            )
-        return cls(
-            BlockLayout.from_model(model),
-            hit_tokens // model.block_tokens,
-            prompt_tokens - hit_tokens,
-        )
-
-    @property
-    def layers(self) -> int:
-        return self.block.layers
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.hit_blocks * self.block.block_tokens
-
-    @property
-    def hit_layer_bytes(self) -> int:
-        return self.hit_blocks * self.block.layer_bytes
-
-    @property
-    def hit_bytes(self) -> int:
-        return self.hit_layer_bytes * self.layers
-
-    @property
-    def new_k_bytes(self) -> int:
-        return self.new_tokens * self.block.k_token_bytes
-
-    @property
-    def new_layer_bytes(self) -> int:
-        return self.new_tokens * (self.block.k_token_bytes + self.block.v_token_bytes)
-
-    @property
-    def new_bytes(self) -> int:
-        return self.new_layer_bytes * self.layers
+class RequestLayout(RequestSizes):
+    """The KV regions of one request (sizes: `RequestSizes`), viewed as tensors."""
 
     def hit_views(self, region: torch.Tensor, layer: int) -> LayerKV:
         return request_layer_views(region, self.block, self.hit_blocks, layer)

@@ -1,6 +1,7 @@
 """The prefill role: one request's layer-wise prefill with its hit KV from either path.
 
-`PrefillJob.run()` is what the `Worker.Prefill` RPC streams:
+`PrefillRole.serve(order)` yields what the `Worker.Prefill` RPC streams (the servicer converts
+it, `worker/wire.py`):
 
 1. it takes two regions of the registered buffer (hit KV, new KV) and tells the decode worker
    where the hit KV may land (`accepted`);
@@ -24,21 +25,16 @@ from dataclasses import dataclass
 from dualpath.config import ModelSpec
 from dualpath.engine import BatchMember, Engine, PrefillRun
 from dualpath.kv import KVLoadError, block_ids
-from dualpath.kv.ids import MAX_SALT_BYTES
 from dualpath.kv.queue import ReadQueue
 from dualpath.transfer.protocol import KVTransfer, TransferError
-from dualpath.v1 import scheduler_pb2 as spb
-from dualpath.v1 import worker_pb2 as wpb
 from dualpath.worker import metrics
 from dualpath.worker.admission import BatchAdmission
 from dualpath.worker.kvstream import RemoteHitSource, new_notif, stream_hit_layers
 from dualpath.worker.layout import RequestLayout
 from dualpath.worker.regions import release_regions
+from dualpath.worker.wire import Accepted, BadField, Done, PrefillOrder, Region
 
 log = logging.getLogger(__name__)
-
-PATH_NAMES = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
-
 
 # trailing metadata of a refused Prefill: the hit tokens that were readable (the valid prefix)
 VALID_HIT_KEY = "dualpath-valid-hit-tokens"
@@ -53,6 +49,13 @@ class HitUnavailable(RuntimeError):
     def __init__(self, message: str, valid_tokens: int = 0) -> None:
         super().__init__(message)
         self.valid_tokens = valid_tokens
+
+
+@dataclass
+class PrefillOutcome:
+    """What a failed `serve` leaves its caller: a WRITE of ours that may still land."""
+
+    writes_in_flight: bool = False
 
 
 @dataclass
@@ -118,24 +121,19 @@ class PrefillRole:
         async with self._slots:
             yield self.engine.prefill(tokens, hit_tokens, source)
 
-    async def serve(self, req: wpb.PrefillRequest, context) -> None:  # noqa: ANN001
-        """Stream `accepted` then `done` (see the module docstring); raise on failure."""
+    async def serve(
+        self, order: PrefillOrder, outcome: PrefillOutcome | None = None
+    ) -> AsyncIterator[Accepted | Done]:
+        """Yield `Accepted` then `Done` (see the module docstring); raise on failure. A decode
+        agent or region no transfer could use is refused (`BadField`) before anything is
+        taken or posted; `outcome` says, after a failure, whether a WRITE may still land."""
+        outcome = outcome if outcome is not None else PrefillOutcome()
         model = self.model
-        prompt = list(req.prompt_tokens)
-        try:
-            layout = RequestLayout.of(model, int(req.hit_tokens), len(prompt))
-        except ValueError as err:
-            raise ValueError(f"Prefill {req.request_id}: {err}") from None
-        if len(req.cache_salt) > MAX_SALT_BYTES:
-            raise ValueError(
-                f"Prefill {req.request_id}: cache_salt is {len(req.cache_salt)} bytes; "
-                f"at most {MAX_SALT_BYTES}"
-            )
-        path = PATH_NAMES.get(req.read_path, "prefill") if layout.hit_blocks else "none"
+        prompt = list(order.prompt)
+        layout = RequestLayout.of(model, order.hit_tokens, len(prompt))  # checked by the wire
+        path = order.read_path
         transfer = self.transfer
-        peer = req.decode_agent
-        if not transfer.knows(peer):
-            transfer.add_peer(req.decode_agent_metadata)
+        peer = self._peer(order)
         new_tokens = layout.new_tokens
         self.load.tokens_queued += new_tokens
         started = announced = False
@@ -156,9 +154,9 @@ class PrefillRole:
             new_region = await pool.alloc_wait(layout.new_bytes, timeout)
             regions.append(new_region)
             forward: list[asyncio.Task] = []
-            rid = req.request_id
+            rid = order.request_id
             if path == "prefill":
-                ids = block_ids(prompt, model, salt=req.cache_salt)[: layout.hit_blocks]
+                ids = block_ids(prompt, model, salt=order.cache_salt)[: layout.hit_blocks]
                 handle = self.read_queue.submit(ids, out=hit_region.tensor)
                 valid = await handle.ready()
                 if valid < layout.hit_blocks:
@@ -169,23 +167,17 @@ class PrefillRole:
                     )
                 source = handle
                 forward = stream_hit_layers(
-                    transfer, handle, layout, hit_region, peer, req.decode_hit.address, rid
+                    transfer, handle, layout, hit_region, peer, order.decode_hit.address, rid
                 )
             elif path == "decode":
                 source = RemoteHitSource(transfer, peer, rid, layout, hit_region.tensor, timeout)
             else:
                 source = None
             announced = True  # from here on the decode node may WRITE into the hit region
-            await context.write(
-                wpb.PrefillMessage(
-                    accepted=wpb.PrefillAccepted(
-                        prefill_agent=transfer.name,
-                        prefill_agent_metadata=transfer.metadata,
-                        prefill_hit=wpb.Region(address=hit_region.address, length=hit_region.nbytes)
-                        if hit_region is not None
-                        else None,
-                    )
-                )
+            yield Accepted(
+                transfer.name,
+                transfer.metadata,
+                Region(hit_region.address, hit_region.nbytes) if hit_region is not None else None,
             )
             new_part = prompt[layout.hit_tokens :]
             async with self._compute(rid, new_part, layout.hit_tokens, source) as run:
@@ -204,7 +196,7 @@ class PrefillRole:
                                     peer,
                                     new_region.address + off,
                                     layout.new_layer_bytes,
-                                    req.decode_new.address + off,
+                                    order.decode_new.address + off,
                                     notif=new_notif(rid, layer),
                                 )
                             )
@@ -222,15 +214,8 @@ class PrefillRole:
                     ended = await asyncio.gather(*writes, *forward, return_exceptions=True)
                     stray = any(isinstance(e, TransferError) and e.in_flight for e in ended)
                 logits = run.logits[-1].float().contiguous()
-                await context.write(
-                    wpb.PrefillMessage(
-                        done=wpb.PrefillDone(
-                            last_logits=logits.numpy().tobytes(),
-                            vocab_size=logits.numel(),
-                            compute_seconds=run.times.compute_s,
-                            wait_seconds=run.times.wait_s,
-                        )
-                    )
+                yield Done(
+                    logits.numpy().tobytes(), logits.numel(), run.times.compute_s, run.times.wait_s
                 )
             metrics.REQUESTS.labels("prefill", path, "ok").inc()
             metrics.TOKENS.labels("prefill").inc(new_tokens)
@@ -254,10 +239,10 @@ class PrefillRole:
                 log.warning(
                     "prefill %s failed with a KV WRITE to %s that may still land: the decode "
                     "node is told to hold its regions",
-                    req.request_id,
+                    order.request_id,
                     peer,
                 )
-                context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, "1"),))
+                outcome.writes_in_flight = True
             raise
         else:
             ok = True
@@ -272,4 +257,27 @@ class PrefillRole:
             # only path D's hit layers are written here by a peer (the decode node)
             remote = path == "decode" and announced and not ok
             release_regions(transfer.pool, regions, self.deadline_s if remote else 0.0, handle)
-            transfer.discard_notifs(f"{req.request_id}/".encode())
+            transfer.discard_notifs(f"{order.request_id}/".encode())
+
+    def _peer(self, order: PrefillOrder) -> str:
+        """The decode agent, its metadata loaded, and its regions checked against its
+        registered buffer: a WRITE there would fail inside NIXL (NIXL_ERR_MISMATCH,
+        NIXL_ERR_NOT_FOUND), so a bad one is refused by name before any is posted."""
+        transfer, peer = self.transfer, order.decode_agent
+        if not transfer.knows(peer):
+            try:
+                loaded = transfer.add_peer(order.decode_agent_metadata)
+            except Exception as err:  # the bindings raise plain exceptions
+                raise BadField(
+                    "decode_agent_metadata", f"not a loadable agent's metadata ({err})"
+                ) from None
+            if loaded != peer:
+                raise BadField(
+                    "decode_agent", f"{peer!r} is not the agent of decode_agent_metadata"
+                )
+        for field, r in (("decode_new", order.decode_new), ("decode_hit", order.decode_hit)):
+            if r is not None and not transfer.covers(peer, r.address, r.length):
+                raise BadField(
+                    field, f"[{r.address:#x}, +{r.length}) lies outside {peer}'s KV buffer"
+                )
+        return peer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dualpath.config import PolicyName
 from dualpath.scheduler.policy.inter_node import config_mismatch, pick_pair
 from dualpath.scheduler.policy.policies import DualPathPolicy, FixedPathPolicy, RoundRobinPolicy
 from dualpath.scheduler.policy.types import (
@@ -30,15 +31,17 @@ from dualpath.scheduler.policy.types import (
     Thresholds,
 )
 
-# The one registry of policies: name -> factory. The config model's `PolicyName` (and so the
-# CRD's enum), the CLIs and `get_policy` all read it.
+# The one registry of policies: name -> factory, over the config model's names (`PolicyName`,
+# the CRD's enum, below this package); the CLIs and `get_policy` read it.
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "dualpath": DualPathPolicy,
-    "prefill-read": lambda: FixedPathPolicy("prefill-read", ReadPath.PREFILL),
-    "decode-read": lambda: FixedPathPolicy("decode-read", ReadPath.DECODE),
-    "round-robin": RoundRobinPolicy,
+    PolicyName.DUALPATH.value: DualPathPolicy,
+    PolicyName.PREFILL_READ.value: lambda: FixedPathPolicy("prefill-read", ReadPath.PREFILL),
+    PolicyName.DECODE_READ.value: lambda: FixedPathPolicy("decode-read", ReadPath.DECODE),
+    PolicyName.ROUND_ROBIN.value: RoundRobinPolicy,
 }
 POLICY_NAMES = tuple(POLICIES)
+if set(POLICY_NAMES) != {p.value for p in PolicyName}:  # a name without a class, or the reverse
+    raise ImportError(f"policy registry {POLICY_NAMES} != config.PolicyName {list(PolicyName)}")
 
 
 def get_policy(name: str) -> Policy:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Build (and with PUSH=1 push) the DualPath image with whichever builder this machine has:
+# docker, podman, buildah, nerdctl, or kaniko's /kaniko/executor (BUILDER=... picks one).
+#   ENGINE=dualpath (the CPU image) | vllm (the same plus vLLM's CPU build), tagged <version>-vllm
+#   IMAGE=registry/name:tag   default: dualpath.default_image(ENGINE), the one source of the
+#                             repository and version (workers/dualpath/__init__.py)
+# Exit 2 with a message when no builder is found or ENGINE is unknown (docs/image.md).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ENGINE=${ENGINE:-dualpath}
+PUSH=${PUSH:-0}
+PY=${PY:-python3}
+FILE=Dockerfile
+case "$ENGINE" in
+  dualpath | vllm) ;;
+  *) echo "build-image: ENGINE must be dualpath or vllm (got '$ENGINE')" >&2; exit 2 ;;
+esac
+read -r DEFAULT VERSION < <(PYTHONPATH="$ROOT/workers" "$PY" -c \
+  'import sys, dualpath; print(dualpath.default_image(sys.argv[1]), dualpath.__version__)' "$ENGINE")
+IMAGE=${IMAGE:-$DEFAULT}
+
+# A builder is usable when its command is here and, for docker and nerdctl, their engine answers
+# (a docker CLI without a reachable daemon cannot build).
+usable() {
+  command -v "$1" >/dev/null 2>&1 || return 1
+  case "$1" in
+    docker | nerdctl) "$1" info >/dev/null 2>&1 ;;
+    *) return 0 ;;
+  esac
+}
+BUILDER=${BUILDER:-}
+SKIPPED=""
+if [ -z "$BUILDER" ]; then
+  for candidate in docker podman buildah nerdctl; do
+    if usable "$candidate"; then BUILDER=$candidate; break; fi
+    if command -v "$candidate" >/dev/null 2>&1; then SKIPPED+=" $candidate"; fi
+  done
+fi
+if [ -z "$BUILDER" ] && [ -x /kaniko/executor ]; then BUILDER=kaniko; fi
+if [ -z "$BUILDER" ]; then
+  echo "build-image: no image builder found: install docker, podman, buildah or nerdctl, run" \
+    "inside kaniko (/kaniko/executor), or set BUILDER=<command> (docs/image.md)" >&2
+  if [ -n "$SKIPPED" ]; then
+    echo "build-image: installed but without a reachable engine:$SKIPPED" >&2
+  fi
+  exit 2
+fi
+
+BUILD_ARGS=(--build-arg "DUALPATH_VERSION=$VERSION" --build-arg "ENGINE=$ENGINE")
+ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}")
+case "$BUILDER" in
+  docker | podman | nerdctl | buildah)
+    BUILD=("$BUILDER" build "${ARGS[@]}" "$ROOT")
+    PUSH_CMD=("$BUILDER" push "$IMAGE")
+    ;;
+  kaniko)
+    BUILD=(/kaniko/executor --context "dir://$ROOT" --dockerfile "$ROOT/$FILE"
+      --destination "$IMAGE" "${BUILD_ARGS[@]}")
+    [ "$PUSH" = 1 ] || BUILD+=(--no-push)
+    PUSH_CMD=()
+    ;;
+  *)
+    echo "build-image: BUILDER must be docker, podman, buildah, nerdctl or kaniko" \
+      "(got '$BUILDER')" >&2
+    exit 2
+    ;;
+esac
+
+echo "+ ${BUILD[*]}"
+"${BUILD[@]}"
+if [ "$PUSH" = 1 ] && [ ${#PUSH_CMD[@]} -gt 0 ]; then
+  echo "+ ${PUSH_CMD[*]}"
+  "${PUSH_CMD[@]}"
+fi
+echo "built $IMAGE"

@@ -1,0 +1,320 @@
+"""proto <-> domain for the worker's messages, in one place (as `scheduler/wire.py` is for the
+scheduler's): the roles (`decode.py`, `prefill.py`) see only the types here, never protobuf.
+
+- `Turn` (a `GenerateRequest`): what a decode worker serves, with one `SamplingParams` that
+  travels whole from the frontend's admission to the engine (`sampling_fields` /
+  `sampling_from_pb` are the only places its fields meet the wire);
+- `TurnChunk` (a `GenerateChunk`), `PrefillOrder` (a `PrefillRequest`), `Accepted` and `Done`
+  (the `PrefillMessage`s).
+
+A field a worker cannot serve is refused here by name (`BadField`, answered INVALID_ARGUMENT and
+counted by the servicer) before any buffer is taken or any transfer posted. The lengths of every
+string, bytes and repeated field are bounded before this, by `grpc_bounds` on the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.config import ModelSpec
+from dualpath.grpc_bounds import MAX_PROMPT_TOKENS
+from dualpath.kv.ids import MAX_SALT_BYTES
+from dualpath.sampling import SamplingError, SamplingParams
+from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.worker.sizes import RequestSizes
+
+PATH_FROM_PB = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
+PATH_TO_PB = {"prefill": spb.READ_PATH_PREFILL, "decode": spb.READ_PATH_DECODE, "none": 0}
+
+
+# SamplingParams' names that the wire spells otherwise
+_SAMPLING_WIRE_NAMES = {"max_tokens": "max_new_tokens"}
+
+
+class BadField(ValueError):
+    """A request field no worker can serve; the message names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A region of a worker's registered KV buffer, addressable by its peer's agent."""
+
+    address: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    request_id: str
+    session_id: str
+    prompt: tuple[int, ...]
+    hit_tokens: int  # whole blocks the scheduler's index found (the worker verifies them)
+    read_path: str  # "prefill" | "decode": which node reads the hit
+    prefill_node: str
+    prefill_address: str
+    cache_salt: bytes
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TurnChunk:
+    tokens: tuple[int, ...]
+    finish_reason: str = ""  # on the last chunk: "stop" | "length"
+    # on the first chunk: what served the turn (a bad block may have shortened the hit)
+    hit_tokens: int = 0
+    read_path: str = "none"
+    prefill_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOrder:
+    request_id: str
+    prompt: tuple[int, ...]
+    hit_tokens: int
+    read_path: str  # "prefill" | "decode" | "none"
+    decode_node: str
+    decode_agent: str
+    decode_agent_metadata: bytes
+    decode_hit: Region | None  # path P: the prefill writes the hit KV here
+    decode_new: Region  # the prefill writes the new tokens' KV here
+    cache_salt: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    agent: str
+    metadata: bytes
+    hit: Region | None  # path D: where the decode node writes the hit KV
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    last_logits: bytes  # float32 logits of the last prompt token
+    vocab_size: int
+    compute_s: float
+    wait_s: float
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+
+def sampling_fields(p: SamplingParams) -> dict:
+    """The wire fields of `p` (a `GenerateRequest`'s)."""
+    return {
+        "max_new_tokens": p.max_tokens,
+        "stop_tokens": list(p.stop_tokens),
+        "temperature": p.temperature,
+        "seed": p.seed,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "min_tokens": p.min_tokens,
+    }
+
+
+def sampling_from_pb(msg: wpb.GenerateRequest, vocab_size: int) -> SamplingParams:
+    """The request's sampling, refused under the wire's field names (`SamplingParams` checks
+    the ranges). A field left out (0) is off: top_p 0 is 1."""
+    _in_vocab("stop_tokens", msg.stop_tokens, vocab_size)
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            max_tokens=msg.max_new_tokens,
+            stop_tokens=tuple(msg.stop_tokens),
+            seed=msg.seed,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            min_tokens=msg.min_tokens,
+        )
+    except SamplingError as err:
+        raise BadField(_SAMPLING_WIRE_NAMES.get(err.field, err.field), err.reason) from None
+
+
+# ---- Generate -------------------------------------------------------------------------------
+
+
+def generate_to_pb(turn: Turn) -> wpb.GenerateRequest:
+    return wpb.GenerateRequest(
+        request_id=turn.request_id,
+        session_id=turn.session_id,
+        prompt_tokens=turn.prompt,
+        hit_tokens=turn.hit_tokens,
+        read_path=PATH_TO_PB[turn.read_path],
+        prefill_node=turn.prefill_node,
+        prefill_address=turn.prefill_address,
+        cache_salt=turn.cache_salt,
+        **sampling_fields(turn.sampling),
+    )
+
+
+def generate_from_pb(msg: wpb.GenerateRequest, model: ModelSpec) -> Turn:
+    prompt = tuple(msg.prompt_tokens)
+    _prompt("prompt_tokens", prompt, model.vocab_size)
+    if msg.hit_tokens < 0:
+        raise BadField("hit_tokens", f"must be >= 0; got {msg.hit_tokens}")
+    _salt("cache_salt", msg.cache_salt)
+    return Turn(
+        request_id=msg.request_id,
+        session_id=msg.session_id,
+        prompt=prompt,
+        hit_tokens=msg.hit_tokens,
+        read_path=_path(msg.read_path),
+        prefill_node=msg.prefill_node,
+        prefill_address=msg.prefill_address,
+        cache_salt=bytes(msg.cache_salt),
+        sampling=sampling_from_pb(msg, model.vocab_size),
+    )
+
+
+def chunk_to_pb(c: TurnChunk) -> wpb.GenerateChunk:
+    return wpb.GenerateChunk(
+        tokens=c.tokens,
+        finish_reason=c.finish_reason,
+        hit_tokens=c.hit_tokens,
+        read_path=PATH_TO_PB[c.read_path],
+        prefill_seconds=c.prefill_s,
+    )
+
+
+def chunk_from_pb(msg: wpb.GenerateChunk) -> TurnChunk:
+    hit = int(msg.hit_tokens)
+    return TurnChunk(
+        tokens=tuple(msg.tokens),
+        finish_reason=msg.finish_reason,
+        hit_tokens=hit,
+        read_path=PATH_FROM_PB.get(msg.read_path, "none") if hit else "none",
+        prefill_s=msg.prefill_seconds,
+    )
+
+
+# ---- Prefill --------------------------------------------------------------------------------
+
+
+def _region_to_pb(r: Region | None) -> wpb.Region | None:
+    return None if r is None else wpb.Region(address=r.address, length=r.length)
+
+
+def prefill_to_pb(o: PrefillOrder) -> wpb.PrefillRequest:
+    return wpb.PrefillRequest(
+        request_id=o.request_id,
+        prompt_tokens=o.prompt,
+        hit_tokens=o.hit_tokens,
+        read_path=PATH_TO_PB[o.read_path],
+        decode_node=o.decode_node,
+        decode_agent=o.decode_agent,
+        decode_agent_metadata=o.decode_agent_metadata,
+        decode_hit=_region_to_pb(o.decode_hit),
+        decode_new=_region_to_pb(o.decode_new),
+        cache_salt=o.cache_salt,
+    )
+
+
+def prefill_from_pb(msg: wpb.PrefillRequest, model: ModelSpec) -> PrefillOrder:
+    """The order, its fields checked (the regions against the request's own layout; whether
+    they lie in the decode agent's buffer is the role's to check, with its transfer engine)."""
+    prompt = tuple(msg.prompt_tokens)
+    _prompt("prompt_tokens", prompt, model.vocab_size)
+    _salt("cache_salt", msg.cache_salt)
+    if not msg.request_id:
+        raise BadField("request_id", "is required")
+    try:
+        layout = RequestSizes.of(model, int(msg.hit_tokens), len(prompt))
+    except ValueError as err:
+        raise BadField("hit_tokens", str(err)) from None
+    path = _path(msg.read_path) if layout.hit_blocks else "none"
+    if not msg.decode_agent:
+        raise BadField("decode_agent", "is required (the decode worker's NIXL agent)")
+    new = _region("decode_new", msg, layout.new_bytes)
+    hit = _region("decode_hit", msg, layout.hit_bytes) if path == "prefill" else None
+    return PrefillOrder(
+        request_id=msg.request_id,
+        prompt=prompt,
+        hit_tokens=int(msg.hit_tokens),
+        read_path=path,
+        decode_node=msg.decode_node,
+        decode_agent=msg.decode_agent,
+        decode_agent_metadata=bytes(msg.decode_agent_metadata),
+        decode_hit=hit,
+        decode_new=new,
+        cache_salt=bytes(msg.cache_salt),
+    )
+
+
+def prefill_message_to_pb(m: Accepted | Done) -> wpb.PrefillMessage:
+    if isinstance(m, Accepted):
+        return wpb.PrefillMessage(
+            accepted=wpb.PrefillAccepted(
+                prefill_agent=m.agent,
+                prefill_agent_metadata=m.metadata,
+                prefill_hit=_region_to_pb(m.hit),
+            )
+        )
+    return wpb.PrefillMessage(
+        done=wpb.PrefillDone(
+            last_logits=m.last_logits,
+            vocab_size=m.vocab_size,
+            compute_seconds=m.compute_s,
+            wait_seconds=m.wait_s,
+        )
+    )
+
+
+def prefill_message_from_pb(msg: wpb.PrefillMessage) -> Accepted | Done:
+    kind = msg.WhichOneof("kind")
+    if kind == "accepted":
+        a = msg.accepted
+        hit = (
+            Region(a.prefill_hit.address, a.prefill_hit.length)
+            if a.HasField("prefill_hit")
+            else None
+        )
+        return Accepted(a.prefill_agent, bytes(a.prefill_agent_metadata), hit)
+    if kind == "done":
+        d = msg.done
+        return Done(bytes(d.last_logits), d.vocab_size, d.compute_seconds, d.wait_seconds)
+    raise ValueError(f"a PrefillMessage with neither accepted nor done: {msg}")
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def _in_vocab(field: str, ids, vocab_size: int) -> None:  # noqa: ANN001
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadField(field, f"token id {bad} outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _prompt(field: str, prompt: tuple[int, ...], vocab_size: int) -> None:
+    if not prompt:
+        raise BadField(field, "is empty")
+    if len(prompt) > MAX_PROMPT_TOKENS:
+        raise BadField(field, f"has {len(prompt)} tokens; at most {MAX_PROMPT_TOKENS}")
+    _in_vocab(field, prompt, vocab_size)
+
+
+def _salt(field: str, salt: bytes) -> None:
+    if len(salt) > MAX_SALT_BYTES:
+        raise BadField(field, f"is {len(salt)} bytes; at most {MAX_SALT_BYTES}")
+
+
+def _path(value: int) -> str:
+    if value == spb.READ_PATH_UNSPECIFIED:
+        return "prefill"  # a hit whose reader is not said: the prefill node reads it
+    if value not in PATH_FROM_PB:
+        raise BadField("read_path", f"unknown read path {value}")
+    return PATH_FROM_PB[value]
+
+
+def _region(field: str, msg: wpb.PrefillRequest, need_bytes: int) -> Region:
+    if not msg.HasField(field):
+        raise BadField(field, f"is required ({need_bytes} bytes of the decode worker's buffer)")
+    r = getattr(msg, field)
+    if r.length < need_bytes:
+        raise BadField(field, f"is {r.length} bytes; the request's KV needs {need_bytes}")
+    if r.address == 0 or r.address + r.length >= 1 << 64:
+        raise BadField(field, f"[{r.address:#x}, +{r.length}) is no buffer address")
+    return Region(r.address, r.length)
