@@ -77,9 +77,9 @@ def _operator() -> ModuleType:
 
 
 def _model() -> ModuleType:
-    from dualpath.integrations.vllm import checkpoint
+    from dualpath.local import model
 
-    return checkpoint
+    return model
 
 
 def _scheduler() -> ModuleType:

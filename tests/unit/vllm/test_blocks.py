@@ -68,7 +68,7 @@ async def test_sse_payloads_split_on_newlines_only() -> None:
     """A generated text may carry U+2028 or U+0085 unescaped in vLLM's JSON: not a line end."""
     import json
 
-    from dualpath.integrations.vllm.worker import _sse_data
+    from dualpath.worker.vllm import _sse_data
 
     events = [{"choices": [{"text": "a\u2028b\x85c", "token_ids": [1, 2]}]}, {"choices": []}]
     body = b"".join(

@@ -63,7 +63,7 @@ def with_overrides(cfg: ClusterConfig, **spec_paths: object) -> ClusterConfig:
 def with_vllm_checkpoint(cfg: ClusterConfig, out: Path) -> ClusterConfig:
     """`cfg` serving its model from a checkpoint of its seeded weights written to `out` (vLLM
     loads checkpoints only; the DualPath engine loads the same one)."""
-    from dualpath.integrations.vllm.checkpoint import write_checkpoint
+    from dualpath.local.model import write_checkpoint
 
     if not (out / "config.json").is_file():
         write_checkpoint(cfg.spec.model, out)

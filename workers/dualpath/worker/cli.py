@@ -91,7 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
         token=load_token(args.token_file, f"{role.value} worker {node_id}"),
     )
     if cfg.spec.workers.engine == "vllm":  # the same worker, serving on vLLM (docs/vllm.md)
-        from dualpath.integrations.vllm.worker import VllmWorker
+        from dualpath.worker.vllm import VllmWorker
 
         node = VllmWorker(cfg, opts, config_file=args.file or "")
     else:

@@ -4,5 +4,6 @@
   `kv_transfer_config.kv_connector_module_path = "dualpath.integrations.vllm.connector"`;
 - `blocks`: the one mapping between vLLM's KV blocks and the store's (pure);
 - `cache`: vLLM's CPU paged KV cache layout, checked against vLLM's own kernel;
-- `checkpoint`: the small Llama checkpoint both engines load (`dualpath model write`).
+- `server`: the `vllm serve` command of a worker on engine vllm (`dualpath.worker.vllm`).
+The checkpoint both engines load is written by `dualpath model write` (`dualpath.local.model`).
 """

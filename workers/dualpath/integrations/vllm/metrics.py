@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from dualpath.worker.metrics import HIT_BYTES
-
-__all__ = ["HIT_BYTES", "HIT_TOKENS", "LOADS", "LOAD_FAILURES", "SAVED_BLOCKS", "SAVE_FAILURES"]
-
 LOADS = Counter(
     "dualpath_vllm_loads_total", "hits loaded into vLLM's KV cache, by read path", ["path"]
+)
+HIT_BYTES = Counter(
+    "dualpath_vllm_hit_bytes_total",
+    "hit KV bytes loaded into vLLM's KV cache, by read path",
+    ["path"],
 )
 HIT_TOKENS = Counter(
     "dualpath_vllm_hit_tokens_total",

@@ -2,8 +2,9 @@
 
 The process the frontend and scheduler already know (`dualpath worker --role R`, built by
 `process.process_command`): it registers with the scheduler, heartbeats its load, answers the
-Worker service, and serves each turn on its own vLLM (`server.vllm_command`, a child process
-with the DualPath connector), passing the route in `kv_transfer_params` (`plan.Route`).
+Worker service, and serves each turn on its own vLLM (`integrations.vllm.server.vllm_command`,
+a child process with the DualPath connector), passing the route in `kv_transfer_params`
+(`integrations.vllm.plan.Route`).
 
 - decode node, path P (and a turn with no hit): the prefill node computes the prompt on its
   vLLM (`Prefill`: its connector reads the hit from the store through the prefill node's read
