@@ -3,7 +3,8 @@
 `vllm_command` is the one place that turns the config into a `vllm serve` command: the served
 checkpoint (`spec.model.checkpointPath`, written by `dualpath model write`), its dtype, and the
 DualPath connector line (`kv_transfer_config`) with this node's store, read queue name and
-scheduler. The worker adapter (`worker.py`) starts it as its child on a loopback port.
+scheduler. The worker on engine vllm (`dualpath.worker.vllm`) starts it as its child on a
+loopback port.
 """
 
 from __future__ import annotations
