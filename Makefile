@@ -14,11 +14,14 @@ help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n",$$1,$$2}'
 
 # torch first, CPU build from the local wheel cache: a plain resolve would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Then vLLM's CPU build for the vLLM integration (docs/vllm.md; ~1.5 min, ~2.4 GB): VLLM=0 skips it.
+VLLM    ?= 1
+$(STAMP): pyproject.toml scripts/install-vllm.sh
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[nixl,operator,dev]'
+	@if [ "$(VLLM)" = 1 ]; then bash scripts/install-vllm.sh $(VENV); fi
 	@touch $(STAMP)
 
 venv: $(STAMP) ## create .venv and install everything (CPU torch first)

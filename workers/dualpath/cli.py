@@ -78,6 +78,12 @@ def _operator() -> ModuleType:
     return main
 
 
+def _model() -> ModuleType:
+    from dualpath.local import model
+
+    return model
+
+
 def _scheduler() -> ModuleType:
     from dualpath.scheduler import cli
 
@@ -144,6 +150,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command("size P:D from a trace with the simulator, per policy", _plan),
     "render": Command("print the manifests a DualPathCluster turns into", _render),
     "operator": Command("run the kopf operator", _operator),
+    "model": Command("write a Llama checkpoint both engines (DualPath, vLLM) load", _model),
     "scheduler": Command("run the gRPC scheduler service", _scheduler),
     "worker": Command("run a prefill or decode worker", _worker),
     "frontend": Command("run the OpenAI-style HTTP frontend", _frontend),

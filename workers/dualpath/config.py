@@ -212,7 +212,7 @@ class ModelSpec(_Model):
     """Served model name (the OpenAI `model` field); part of the KV fingerprint. Default: the
     preset's."""
     preset: str | None = "tiny"
-    """Named shape filling every dimension not given: tiny, small, llama3-8b, qwen2.5-32b,
+    """Named shape filling every dimension not given: tiny, tiny64, small, llama3-8b, qwen2.5-32b,
     deepseek-v3.2, dsmla-27b; null to give all dimensions explicitly."""
     image: str = Field(default=default_image(), min_length=1)
     """Container image of every DualPath process (vLLM workers: workers.vllm.image)."""
@@ -368,6 +368,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         kv_heads=2,
         head_dim=16,
         intermediate_size=128,
+        vocab_size=512,
+        dtype="float32",
+    ),
+    # tiny's size with a head dim vLLM's CPU attention supports (32, 64, 80, ...): the model of
+    # the vLLM integration's tests, served by both engines from one checkpoint (docs/vllm.md)
+    "tiny64": dict(
+        name="dualpath-tiny64",
+        layers=4,
+        hidden_size=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
         vocab_size=512,
         dtype="float32",
     ),

@@ -189,6 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--turns", type=int, default=None, help="max turns per agent (default 10; --online: 3)"
     )
+    parser.add_argument(
+        "--engine",
+        choices=["dualpath", "vllm"],
+        default=None,
+        help="override spec.workers.engine: vllm runs every worker on vLLM with the DualPath "
+        "connector (docs/vllm.md)",
+    )
     parser.add_argument("--first-tokens", type=int, default=1536)
     parser.add_argument("--append-tokens", type=int, default=32)
     parser.add_argument("--gen-tokens", type=int, default=4)
@@ -783,11 +790,19 @@ def base_config(args: argparse.Namespace, snic_gbps: float | None = None) -> con
         "decode.replicas": args.decode,
         "storage.path": str(kv_root(args) / "kv"),
     }
+    if getattr(args, "engine", None):
+        over["workers.engine"] = args.engine
     if snic_gbps is None and isinstance(args.snic_gbps, float):
         snic_gbps = args.snic_gbps
     if snic_gbps:
         over["storage.snicGbps"] = snic_gbps
-    return with_overrides(cfg, **over)
+    cfg = with_overrides(cfg, **over)
+    if cfg.spec.workers.engine == "vllm" and not cfg.spec.model.checkpoint_path:
+        from dualpath.local.cluster import with_vllm_checkpoint
+
+        # one checkpoint for the seed and every policy: its path is part of the KV fingerprint
+        cfg = with_vllm_checkpoint(cfg, Path(args.out).resolve() / "model")
+    return cfg
 
 
 def bench_config(

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local directory backing the storage volume, given to the workers only "
         "(default: spec.storage.path)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=["dualpath", "vllm"],
+        help="override spec.workers.engine: vllm serves on vLLM with the DualPath connector "
+        "(a checkpoint of the config's model is written into the run dir when it has none)",
+    )
     parser.add_argument("--fresh", action="store_true", help="empty the storage directory first")
     parser.add_argument(
         "--port",
@@ -55,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load_or_default(args.file)
     if args.policy:
         cfg = with_overrides(cfg, **{"scheduler.policy": args.policy})
+    if args.engine:
+        cfg = with_overrides(cfg, **{"workers.engine": args.engine})
     cluster = LocalCluster(
         cfg,
         args.run_dir,

@@ -64,6 +64,20 @@ def with_overrides(cfg: ClusterConfig, **spec_paths: object) -> ClusterConfig:
     return from_resource(res)
 
 
+def with_vllm_checkpoint(cfg: ClusterConfig, out: Path) -> ClusterConfig:
+    """`cfg` serving its model from a checkpoint of its seeded weights written to `out` (vLLM
+    loads checkpoints only; the DualPath engine loads the same one)."""
+    from dualpath.local.model import write_checkpoint
+
+    if not (out / "config.json").is_file():
+        write_checkpoint(cfg.spec.model, out)
+    return with_overrides(cfg, **{"model.checkpointPath": str(out.resolve())})
+
+
+# vLLM starts in 30-80 s alone; two at once on a busy 2-core machine take longer
+VLLM_READY_TIMEOUT_S = 600
+
+
 @dataclass
 class Endpoints:
     scheduler: str = ""
@@ -140,7 +154,8 @@ def process_specs(
     specs = [sched]
     for component in (Component.PREFILL, Component.DECODE):
         for i in range(cfg.spec.pool(component.role).replicas):
-            worker, at = spec(component, i, ready_timeout_s=180, stop_wave=1, fork_restart=True)
+            ready_s = VLLM_READY_TIMEOUT_S if cfg.spec.workers.engine == "vllm" else 180
+            worker, at = spec(component, i, ready_timeout_s=ready_s, stop_wave=1, fork_restart=True)
             worker.health_url = ep.workers[at.node_id] = (
                 f"http://{LOCAL_HOST}:{at.metrics_port}/readyz"
             )
@@ -196,6 +211,8 @@ class LocalCluster:
         storage.mkdir(parents=True, exist_ok=True)
         if storage_dir is None:
             cfg = with_overrides(cfg, **{"storage.path": str(storage)})
+        if cfg.spec.workers.engine == "vllm" and not cfg.spec.model.checkpoint_path:
+            cfg = with_vllm_checkpoint(cfg, self.run_dir / "model")
         self.cfg = cfg
         self.storage = storage
         self.cfg_path = self.run_dir / "cluster.yaml"

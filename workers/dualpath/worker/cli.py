@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
     import os
 
     from dualpath.observability import ObservabilityServer
@@ -88,24 +89,49 @@ async def serve(args: argparse.Namespace) -> None:
         or (args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()),
         token=load_auth(args.token_file, args.tls_dir, f"{role.value} worker {node_id}"),
     )
-    node = WorkerNode(cfg, opts)
+    if cfg.spec.workers.engine == "vllm":  # the same worker, serving on vLLM (docs/vllm.md)
+        from dualpath.worker.vllm import VllmWorker
+
+        node = VllmWorker(cfg, opts, config_file=args.file or "")
+    else:
+        node = WorkerNode(cfg, opts)
     obs = ObservabilityServer(args.metrics_port, health=node.health, live=node.live).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await node.start()
+        starting = asyncio.ensure_future(node.start())
+        if cfg.spec.workers.engine == "vllm":  # vLLM starts in a minute: SIGTERM stops that
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                await node.stop()
+                return 0
+        await starting
         print(
             f"READY worker role={role.value} node={node_id} grpc={node.address} metrics={obs.port}",
             flush=True,
         )
-        await stop.wait()
+        exited = getattr(node, "exited", None)  # engine vllm: its vLLM child ended
+        waits = [asyncio.ensure_future(stop.wait())]
+        if exited is not None:
+            waits.append(asyncio.ensure_future(exited.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if exited is not None and exited.is_set() and not stop.is_set():
+            await node.stop()
+            return 1
         await node.drain_and_stop()
     finally:
         obs.stop()
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    asyncio.run(serve(args))
-    return 0
+    return asyncio.run(serve(args))

@@ -1,0 +1,1 @@
+"""DualPath inside other engines: the KV connector and tools of each (vllm/)."""

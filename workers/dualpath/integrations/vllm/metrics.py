@@ -1,0 +1,33 @@
+"""Prometheus metrics of the vLLM connector, per read path (`path`: prefill, decode)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+LOADS = Counter(
+    "dualpath_vllm_loads_total", "hits loaded into vLLM's KV cache, by read path", ["path"]
+)
+HIT_BYTES = Counter(
+    "dualpath_vllm_hit_bytes_total",
+    "hit KV bytes loaded into vLLM's KV cache, by read path",
+    ["path"],
+)
+HIT_TOKENS = Counter(
+    "dualpath_vllm_hit_tokens_total",
+    "hit tokens loaded into vLLM's KV cache, by read path",
+    ["path"],
+)
+LOAD_FAILURES = Counter(
+    "dualpath_vllm_load_failures_total",
+    "hits that ended early (a bad or missing block): vLLM recomputed the rest",
+    ["path"],
+)
+SAVED_BLOCKS = Counter("dualpath_vllm_saved_blocks_total", "store blocks written from vLLM's cache")
+SAVE_FAILURES = Counter(
+    "dualpath_vllm_save_failures_total", "saves that failed (full or read-only store)"
+)
+TURNS = Counter(
+    "dualpath_vllm_turns_total",
+    "turns a vLLM decode node served, by the route's read path (prefill, decode, none)",
+    ["path"],
+)

@@ -1,0 +1,140 @@
+"""The connector's scheduler half (runs in vLLM's engine-core process; no I/O, no torch).
+
+It learns each request's hit from its route (`plan.Route`, from `Scheduler.Route`'s block
+index), in whole vLLM blocks (`blocks.py`), never by probing the store; and each step it plans
+the loads of newly allocated hits and the saves of the store blocks the step completes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualpath.integrations.vllm import blocks
+from dualpath.integrations.vllm.plan import PARAMS_KEY, LoadPlan, Route, SavePlan, StepPlan
+
+log = logging.getLogger(__name__)
+
+# chain ids of a token sequence under a salt: kv.ids.block_ids bound to the served model
+BlockIdsFn = Callable[[Sequence[int], bytes], list[str]]
+
+
+@dataclass
+class _Request:
+    request: Any  # vllm.v1.request.Request (its all_token_ids grow as it decodes)
+    route: Route
+    local_computed: int = 0  # tokens vLLM's own prefix cache had (get_num_new_matched_tokens)
+    load: tuple[int, int] | None = None  # tokens [start, end) to load, once allocated
+    loaded_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_block: int, store_block: int, block_ids: BlockIdsFn) -> None:
+        blocks.check_block_sizes(vllm_block, store_block)
+        self.vllm_block = vllm_block
+        self.store_block = store_block
+        self.block_ids = block_ids
+        self._reqs: dict[str, _Request] = {}
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            try:
+                route = Route.of(request.kv_transfer_params)
+            except ValueError as err:  # a malformed route is no hit, never a wrong load
+                log.warning("request %s: %s; no hit loaded", request.request_id, err)
+                route = Route()
+            st = self._reqs[request.request_id] = _Request(request, route)
+        return st
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        st = self._state(request)
+        st.local_computed = num_computed_tokens
+        return blocks.new_matched_tokens(
+            st.route.hit_tokens, request.num_prompt_tokens, num_computed_tokens, self.vllm_block
+        )
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens > 0:
+            st.load = (st.local_computed, st.local_computed + num_external_tokens)
+
+    def build(self, so: Any) -> StepPlan:
+        """The step's plan from vLLM's SchedulerOutput."""
+        plan = StepPlan()
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_table = list(new.block_ids[0])
+            if st.load is not None:
+                plan.loads.append(self._load(new.req_id, st))
+            before = new.num_computed_tokens
+            self._save(plan, new.req_id, st, before, before + so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_table = list(new_ids[0]) if new_ids else []
+                if st.load is not None:  # preempted before its hit was loaded
+                    plan.loads.append(self._load(req_id, st))
+            elif new_ids:
+                st.block_table.extend(new_ids[0])
+            before = cached.num_computed_tokens[i]
+            self._save(plan, req_id, st, before, before + so.num_scheduled_tokens[req_id])
+        return plan
+
+    def _load(self, req_id: str, st: _Request) -> LoadPlan:
+        start, end = st.load
+        st.load = None
+        st.loaded_tokens = end - start
+        sb = self.store_block
+        ids = self.block_ids(st.request.all_token_ids[:end], st.route.cache_salt)
+        return LoadPlan(
+            req_id=req_id,
+            path=st.route.read_path,
+            block_ids=ids[start // sb : end // sb],
+            start=start,
+            end=end,
+            slots=blocks.slots(st.block_table, start, end, self.vllm_block),
+            block_table=list(st.block_table),
+        )
+
+    def _save(self, plan: StepPlan, req_id: str, st: _Request, before: int, after: int) -> None:
+        done = blocks.completed_store_blocks(before, after, self.store_block)
+        if not done:
+            return
+        sb = self.store_block
+        start, end = done.start * sb, done.stop * sb
+        tokens = list(st.request.all_token_ids[:end])
+        if len(tokens) < end:  # tokens not known here yet (async scheduling): not saved
+            log.debug("request %s: tokens up to %d unknown; blocks not saved", req_id, end)
+            return
+        plan.saves.append(
+            SavePlan(
+                req_id=req_id,
+                tokens=tokens,
+                start=start,
+                slots=blocks.slots(st.block_table, start, end, self.vllm_block),
+                salt=st.route.cache_salt,
+            )
+        )
+
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        """Forget the request; its answer's `kv_transfer_params` say what was loaded, how."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return None
+        return {
+            PARAMS_KEY: {
+                "read_path": st.route.read_path if st.loaded_tokens else "none",
+                "loaded_tokens": st.loaded_tokens,
+                "route_hit_tokens": st.route.hit_tokens,
+            }
+        }

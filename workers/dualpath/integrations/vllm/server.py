@@ -1,0 +1,112 @@
+"""The vLLM server a DualPath worker runs on engine vllm: its command line and environment.
+
+`vllm_command` is the one place that turns the config into a `vllm serve` command: the served
+checkpoint (`spec.model.checkpointPath`, written by `dualpath model write`), its dtype, and the
+DualPath connector line (`kv_transfer_config`) with this node's store, read queue name and
+scheduler. The worker on engine vllm (`dualpath.worker.vllm`) starts it as its child on a
+loopback port.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.config import ClusterConfig
+
+CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
+# vLLM's CPU KV cache of one instance, GiB (VLLM_CPU_KVCACHE_SPACE): a small local cluster
+CPU_KVCACHE_GIB = 1
+MAX_MODEL_LEN = 16384
+# vLLM's KV block on CPU (its default, given explicitly: the adapter rounds hits to it)
+VLLM_BLOCK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class VllmCommand:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def kv_transfer_config(
+    config_file: str, storage: str, node_id: str, scheduler: str, token_file: str
+) -> dict:
+    """The connector line of a vLLM that serves DualPath (docs/vllm.md)."""
+    return {
+        "kv_connector": "DualPathConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "config_file": config_file,
+            "storage": storage,
+            "node_id": node_id,
+            "scheduler": scheduler,
+            "token_file": token_file,
+        },
+    }
+
+
+def vllm_executable() -> str:
+    """The `vllm` command next to this interpreter (the venv's), else on PATH."""
+    here = Path(sys.executable).parent / "vllm"
+    found = str(here) if here.exists() else shutil.which("vllm")
+    if not found:
+        raise FileNotFoundError(
+            "workers.engine is vllm but no `vllm` command is installed: "
+            "run scripts/install-vllm.sh <venv> (make venv does)"
+        )
+    return found
+
+
+def vllm_command(
+    cfg: ClusterConfig,
+    *,
+    config_file: str,
+    port: int,
+    storage: str,
+    node_id: str,
+    scheduler: str = "",
+    token_file: str = "",
+) -> VllmCommand:
+    model = cfg.spec.model
+    if not model.checkpoint_path:
+        raise ValueError(
+            "workers.engine vllm needs model.checkpointPath: write one with "
+            "`dualpath model write --out DIR` (dualpath up --engine vllm does)"
+        )
+    kv = kv_transfer_config(config_file, storage, node_id, scheduler, token_file)
+    argv = [
+        vllm_executable(),
+        "serve",
+        model.checkpoint_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        model.name,
+        "--dtype",
+        model.dtype,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--block-size",
+        str(VLLM_BLOCK_TOKENS),
+        "--enforce-eager",
+        # every hit is DualPath's: vLLM's own prefix cache would serve a node's repeats itself
+        "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(CPU_KVCACHE_GIB),
+        # many processes share this machine's cores: no thread pinning
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    return VllmCommand(argv, env)
