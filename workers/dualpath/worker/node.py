@@ -68,8 +68,13 @@ def _given_or(given: float | None, spec_value: float) -> float:
     return spec_value if given is None else given
 
 
-def _given_or(given: float | None, spec_value: float) -> float:
-    return spec_value if given is None else given
+def advertised_address(opts: NodeOptions, port: int) -> str:
+    """The host:port peers and the scheduler dial: `advertise` as given when it names a port,
+    else its host (or `advertise_host`, or the bound host) with the bound `port`."""
+    adv = opts.advertise
+    if adv and adv.rsplit(":", 1)[-1].isdigit():
+        return adv
+    return f"{adv or opts.advertise_host or opts.host}:{port}"
 
 
 class WorkerNode:
@@ -141,10 +146,7 @@ class WorkerNode:
 
     @property
     def address(self) -> str:
-        adv = self.opts.advertise
-        if adv and adv.rsplit(":", 1)[-1].isdigit():
-            return adv
-        return f"{adv or self.opts.advertise_host or self.opts.host}:{self.port}"
+        return advertised_address(self.opts, self.port)
 
     async def flush_kv_events(self) -> None:
         """Wait until the scheduler's block index has this store's events so far."""
