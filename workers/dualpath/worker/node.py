@@ -77,6 +77,23 @@ def advertised_address(opts: NodeOptions, port: int) -> str:
     return f"{adv or opts.advertise_host or opts.host}:{port}"
 
 
+async def prefill_stub(
+    channels: dict[str, grpc.aio.Channel], address: str, auth: Auth | None
+) -> wpb_grpc.WorkerStub:
+    """A prefill node's stub (a decode node calls prefill nodes' Prefill only), its channel
+    kept in `channels` by address, once connected (a bounded wait: `connected`)."""
+    ch = channels.get(address)
+    if ch is None:
+        ch = channels[address] = token_channel(
+            address,
+            auth,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+            server_role="prefill",
+        )
+    await connected(ch)
+    return wpb_grpc.WorkerStub(ch)
+
+
 class WorkerNode:
     """One worker process's parts. Every attribute exists from `__init__`: the parts `start()`
     builds are None until then (and `stop()` closes only those that exist). A `store` or a
@@ -180,17 +197,8 @@ class WorkerNode:
     # ---- helpers for the roles -------------------------------------------------------------
 
     async def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
-        """A peer worker's stub, once its channel is connected (a bounded wait: `connected`)."""
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = token_channel(
-                address,
-                self.opts.token,
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-                server_role="prefill",  # a decode node calls prefill nodes' Prefill only
-            )
-        await connected(ch)
-        return wpb_grpc.WorkerStub(ch)
+        """A prefill node's stub (`prefill_stub`), for the decode role."""
+        return await prefill_stub(self._channels, address, self.opts.token)
 
     # ---- stop -------------------------------------------------------------------------------
 

@@ -38,8 +38,7 @@ import grpc
 import httpx
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import auth_files, connected
-from dualpath.grpc_auth import channel as token_channel
+from dualpath.grpc_auth import auth_files
 from dualpath.integrations.vllm import metrics
 from dualpath.integrations.vllm.blocks import usable_hit_tokens
 from dualpath.integrations.vllm.plan import Route
@@ -48,10 +47,9 @@ from dualpath.sampling import SamplingParams
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import worker_pb2 as wpb
-from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import FAILED_NODE_KEY
-from dualpath.worker.node import NodeOptions, advertised_address
-from dualpath.worker.service import MAX_MESSAGE_BYTES, WorkerServer, WorkerServicer
+from dualpath.worker.node import NodeOptions, advertised_address, prefill_stub
+from dualpath.worker.service import WorkerServer, WorkerServicer
 from dualpath.worker.wire import (
     PrefillOrder,
     Turn,
@@ -348,24 +346,12 @@ class VllmWorker:
             decode_new=None,
             cache_salt=turn.cache_salt,
         )
-        stub = await self._stub(turn.prefill_address)
+        stub = await prefill_stub(self._channels, turn.prefill_address, self.opts.token)
         call = stub.Prefill(
             prefill_to_pb(order), timeout=self.cfg.spec.workers.request_timeout_seconds
         )
         async for _ in call:
             pass
-
-    async def _stub(self, address: str) -> wpb_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = token_channel(
-                address,
-                self.opts.token,
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-                server_role="prefill",  # a decode node calls prefill nodes' Prefill only
-            )
-        await connected(ch)
-        return wpb_grpc.WorkerStub(ch)
 
     async def generate(self, turn: Turn) -> AsyncIterator[TurnChunk]:
         """Serve one turn (decode node)."""
