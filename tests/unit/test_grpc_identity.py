@@ -89,3 +89,22 @@ def test_a_tls_directory_is_re_read_when_rotated_but_never_as_another_identity(t
     with pytest.raises(TlsError, match="--tls-dir .*empty"):
         TlsCredentials(tmp_path / "empty")
     assert (d / "tls.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_nodes_vllm_connector_publishes_kv_events_for_its_node_only():
+    """Engine vllm: the connector inside vLLM publishes under `<node>/vllm` with the node's
+    own certificate; another node's certificate may not."""
+    from dualpath.grpc_identity import node_publisher
+
+    sched = IdentityInterceptor("scheduler", "c1", NodeBindings())
+    d0 = ident("decode", "decode-0")
+    assert sched.problem(S + "Register", d0, pb.RegisterRequest(node_id="decode-0")) is None
+    batch = pb.KvEventBatch(node_id=node_publisher("decode-0", "vllm"), seq=1)
+    assert batch.node_id == "decode-0/vllm"
+    assert sched.problem(S + "KvEvents", d0, batch) is None
+    snap = pb.KvSnapshotChunk(node_id=batch.node_id)
+    assert sched.problem(S + "KvSnapshot", d0, snap) is None
+    d1 = ident("decode", "decode-1")
+    assert "may not act for" in sched.problem(S + "KvEvents", d1, batch)
+    # a role-wide certificate proves the role only: the scheduler's binding still holds
+    assert "is bound to" in sched.problem(S + "KvEvents", ident("decode"), batch)

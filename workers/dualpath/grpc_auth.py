@@ -144,6 +144,16 @@ def load_auth(token_file: str | None, tls_dir: str | None, component: str) -> Au
     return creds
 
 
+def auth_files(auth: Auth | None) -> tuple[str, str]:
+    """(token file, TLS directory) that `load_auth` loads `auth` from again, "" where unused:
+    what a child process of this one (engine vllm's connector) is given to speak as it."""
+    if isinstance(auth, TlsCredentials):
+        return "", str(auth.dir)
+    if isinstance(auth, ClusterToken):
+        return str(auth.path), ""
+    return "", ""
+
+
 # ---- server ------------------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ identity (`tls.Identity`: role and node) may do with each method:
   for that id (`Register`, `Heartbeats`, `KvEvents`, `KvSnapshot`, `Drain`). A role-wide
   certificate (node `*`, the operator's fallback without cert-manager) proves the role only.
 - `Heartbeats`, `KvEvents`, `KvSnapshot`: a worker, for the node it is bound to (each streamed
-  message is checked).
+  message is checked). A node's other publishers (`node_publisher`: engine vllm's connector,
+  `<node>/vllm`) speak for the node.
 - `Route`, `Complete`: the frontend (or `admin`, an operator's tool).
 - `Drain`: the node itself, or `admin`. `ClusterView`: any cluster identity.
 - Worker `Prefill`: a decode identity, for itself (`decode_node`, and the NIXL agent it names:
@@ -114,11 +115,25 @@ def _node_id(msg) -> str:  # noqa: ANN001
     return msg.node_id
 
 
+PUBLISHER_SEP = "/"  # no node a certificate names holds one (its URI's last segment)
+
+
+def node_publisher(node_id: str, name: str) -> str:
+    """The KV event publisher id of another process of node `node_id` (engine vllm: its
+    connector inside vLLM, `<node>/vllm`): its own event stream (epoch, seq) in the
+    scheduler's index, speaking for the node with the node's certificate."""
+    return f"{node_id}{PUBLISHER_SEP}{name}"
+
+
+def _publisher_node(msg) -> str:  # noqa: ANN001
+    return msg.node_id.split(PUBLISHER_SEP, 1)[0]
+
+
 RULES: dict[str, Rule] = {
     "/dualpath.v1.Scheduler/Register": Rule(WORKERS, _node_id, binds=True, extra=_register_role),
     "/dualpath.v1.Scheduler/Heartbeats": Rule(WORKERS, _node_id),
-    "/dualpath.v1.Scheduler/KvEvents": Rule(WORKERS, _node_id),
-    "/dualpath.v1.Scheduler/KvSnapshot": Rule(WORKERS, _node_id),
+    "/dualpath.v1.Scheduler/KvEvents": Rule(WORKERS, _publisher_node),
+    "/dualpath.v1.Scheduler/KvSnapshot": Rule(WORKERS, _publisher_node),
     "/dualpath.v1.Scheduler/Drain": Rule(WORKERS | {"admin"}, _node_id, admin_any_node=True),
     "/dualpath.v1.Scheduler/Route": Rule(CLIENTS),
     "/dualpath.v1.Scheduler/Complete": Rule(CLIENTS),

@@ -115,6 +115,18 @@ def test_turns_hit_the_store_on_both_paths_with_recompute_answers(cluster) -> No
     assert turned.get('{path="prefill"}', 0) > 0 and turned.get('{path="decode"}', 0) > 0
 
 
+def test_every_grpc_channel_is_mutual_tls_and_none_is_refused(cluster) -> None:
+    """The default mode: each worker serves mTLS, the decode node dials the prefill node's,
+    and each connector inside vLLM publishes its KV events to the scheduler as its node."""
+    cl, log = cluster
+    assert cl.cfg.spec.security.tls.mode == "mtls"
+    text = log.getvalue()
+    for node in ("prefill-0", "decode-0"):
+        assert f"vLLM connector {node}: gRPC over mutual TLS" in text, text[-3000:]
+    assert "refused" not in text, [ln for ln in text.splitlines() if "refused" in ln]
+    assert "UNAUTHENTICATED" not in text and "PERMISSION_DENIED" not in text
+
+
 def test_corrupt_blocks_give_a_recompute_not_a_wrong_answer(cluster) -> None:
     cl, _ = cluster
     with httpx.Client(base_url=cl.endpoints.frontend, timeout=300) as c:

@@ -68,8 +68,30 @@ def _given_or(given: float | None, spec_value: float) -> float:
     return spec_value if given is None else given
 
 
-def _given_or(given: float | None, spec_value: float) -> float:
-    return spec_value if given is None else given
+def advertised_address(opts: NodeOptions, port: int) -> str:
+    """The host:port peers and the scheduler dial: `advertise` as given when it names a port,
+    else its host (or `advertise_host`, or the bound host) with the bound `port`."""
+    adv = opts.advertise
+    if adv and adv.rsplit(":", 1)[-1].isdigit():
+        return adv
+    return f"{adv or opts.advertise_host or opts.host}:{port}"
+
+
+async def prefill_stub(
+    channels: dict[str, grpc.aio.Channel], address: str, auth: Auth | None
+) -> wpb_grpc.WorkerStub:
+    """A prefill node's stub (a decode node calls prefill nodes' Prefill only), its channel
+    kept in `channels` by address, once connected (a bounded wait: `connected`)."""
+    ch = channels.get(address)
+    if ch is None:
+        ch = channels[address] = token_channel(
+            address,
+            auth,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+            server_role="prefill",
+        )
+    await connected(ch)
+    return wpb_grpc.WorkerStub(ch)
 
 
 class WorkerNode:
@@ -141,10 +163,7 @@ class WorkerNode:
 
     @property
     def address(self) -> str:
-        adv = self.opts.advertise
-        if adv and adv.rsplit(":", 1)[-1].isdigit():
-            return adv
-        return f"{adv or self.opts.advertise_host or self.opts.host}:{self.port}"
+        return advertised_address(self.opts, self.port)
 
     async def flush_kv_events(self) -> None:
         """Wait until the scheduler's block index has this store's events so far."""
@@ -178,17 +197,8 @@ class WorkerNode:
     # ---- helpers for the roles -------------------------------------------------------------
 
     async def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
-        """A peer worker's stub, once its channel is connected (a bounded wait: `connected`)."""
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = token_channel(
-                address,
-                self.opts.token,
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-                server_role="prefill",  # a decode node calls prefill nodes' Prefill only
-            )
-        await connected(ch)
-        return wpb_grpc.WorkerStub(ch)
+        """A prefill node's stub (`prefill_stub`), for the decode role."""
+        return await prefill_stub(self._channels, address, self.opts.token)
 
     # ---- stop -------------------------------------------------------------------------------
 

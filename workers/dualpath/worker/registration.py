@@ -4,6 +4,7 @@ carrying `node_load`), its store's KV events (`KvEventPublisher`) and the `Drain
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -15,7 +16,8 @@ from dualpath.units import gbps_to_bytes_per_s
 from dualpath.worker import metrics
 
 if TYPE_CHECKING:
-    from dualpath.worker.node import WorkerNode
+    from dualpath.config import ClusterConfig, Role
+    from dualpath.worker.node import NodeOptions, WorkerNode
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,37 @@ def node_load(node: WorkerNode) -> NodeLoad:
     return load
 
 
+def node_registration(
+    cfg: ClusterConfig, role: Role, node_id: str, address: str, transfer_address: str = ""
+) -> Registration:
+    """What a worker registers with (either engine): its address, its SNIC share of the store
+    and its pool's prefill rate, under the config's hash."""
+    spec = cfg.spec
+    snic = gbps_to_bytes_per_s(spec.storage.snic_gbps) if spec.storage.snic_gbps else 0.0
+    return Registration(
+        node_id=node_id,
+        role=role.value,
+        address=address,
+        transfer_address=transfer_address,
+        snic_bytes_per_s=snic,
+        prefill_tokens_per_s=float(spec.pool(role).prefill_tokens_per_s),
+        config_hash=cfg.config_hash,
+    )
+
+
+def node_agent(
+    cfg: ClusterConfig, opts: NodeOptions, reg: Registration, load: Callable[[], NodeLoad]
+) -> NodeAgent:
+    """The agent that registers `reg` with `opts.scheduler` and heartbeats `load()`."""
+    return NodeAgent(
+        opts.scheduler,
+        reg,
+        load,
+        interval_s=cfg.spec.scheduler.heartbeat_interval_ms / 1000.0,
+        token=opts.token,
+    )
+
+
 class NodeRegistration:
     """Registers the node (again after a scheduler restart), heartbeats its load and publishes
     its store's KV events; without a scheduler address it does nothing (tests)."""
@@ -57,25 +90,10 @@ class NodeRegistration:
         node = self.node
         if not node.opts.scheduler:
             return
-        spec = node.cfg.spec
-        pool = spec.pool(node.role)
-        snic = gbps_to_bytes_per_s(spec.storage.snic_gbps) if spec.storage.snic_gbps else 0.0
-        reg = Registration(
-            node_id=node.node_id,
-            role=node.role.value,
-            address=node.address,
-            transfer_address=node.transfer.name,
-            snic_bytes_per_s=snic,
-            prefill_tokens_per_s=float(pool.prefill_tokens_per_s),
-            config_hash=node.cfg.config_hash,
+        reg = node_registration(
+            node.cfg, node.role, node.node_id, node.address, transfer_address=node.transfer.name
         )
-        self.agent = NodeAgent(
-            node.opts.scheduler,
-            reg,
-            lambda: node_load(node),
-            interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
-            token=node.opts.token,
-        )
+        self.agent = node_agent(node.cfg, node.opts, reg, lambda: node_load(node))
         if node.kv_events is not None:  # a store given to the node announces nothing
             self.publisher = KvEventPublisher(
                 self.agent.stub, node.node_id, node.kv_events, node.store.scan_keys

@@ -139,7 +139,14 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 class WorkerServer:
     """The node's grpc.aio server: the Worker service and the standard health service."""
 
-    def __init__(self, node: WorkerNode, token: Auth | None) -> None:
+    def __init__(
+        self,
+        node: WorkerNode,
+        token: Auth | None,
+        servicer: wpb_grpc.WorkerServicer | None = None,
+    ) -> None:
+        """`servicer`: the Worker service (default `WorkerServicer(node)`; engine vllm's is
+        `worker.vllm.VllmServicer`), behind the same authentication and field bounds."""
         self.token = token
         component = f"{node.role.value}-worker"
         self.server = grpc.aio.server(
@@ -149,7 +156,7 @@ class WorkerServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        wpb_grpc.add_WorkerServicer_to_server(WorkerServicer(node), self.server)
+        wpb_grpc.add_WorkerServicer_to_server(servicer or WorkerServicer(node), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 

@@ -13,6 +13,10 @@ a child process with the DualPath connector), passing the route in `kv_transfer_
   NIXL (docs/vllm.md, limits).
 - decode node, path D: this node's vLLM reads the hit itself (its read queue) and computes the
   new tokens too; the prefill node is not called.
+Its gRPC edge is the torch worker's: `service.WorkerServer` (mutual TLS or the cluster token,
+the identity rules, the field bounds) with `VllmServicer`, which converts each call with
+`wire.py` and claims each routed request (the route lease). The connector in vLLM speaks to
+the scheduler with this worker's own credentials (`grpc_auth.auth_files`).
 A vLLM that exits takes the worker with it (exit code 1), so the supervisor (or the kubelet)
 restarts both.
 """
@@ -28,31 +32,38 @@ import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import channel as token_channel
-from dualpath.grpc_auth import connected, server_interceptors
+from dualpath.grpc_auth import auth_files
 from dualpath.integrations.vllm import metrics
 from dualpath.integrations.vllm.blocks import usable_hit_tokens
 from dualpath.integrations.vllm.plan import Route
 from dualpath.integrations.vllm.server import VLLM_BLOCK_TOKENS, vllm_command
+from dualpath.sampling import SamplingParams
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
-from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
-from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import FAILED_NODE_KEY
-from dualpath.worker.node import NodeOptions
+from dualpath.worker.node import NodeOptions, advertised_address, prefill_stub
+from dualpath.worker.service import WorkerServer, WorkerServicer
+from dualpath.worker.wire import (
+    PrefillOrder,
+    Turn,
+    TurnChunk,
+    chunk_to_pb,
+    generate_from_pb,
+    prefill_from_pb,
+    prefill_to_pb,
+)
 
 log = logging.getLogger(__name__)
 
-_PATH_NAMES = {spb.READ_PATH_PREFILL: "prefill", spb.READ_PATH_DECODE: "decode"}
-_PATH_PB = {"prefill": spb.READ_PATH_PREFILL, "decode": spb.READ_PATH_DECODE}
 VLLM_POLL_S = 0.5
+PREFILL_SAMPLING = SamplingParams(max_tokens=1)  # a prefill on vLLM: the prompt, one token
 
 
 def _free_loopback_port() -> int:
@@ -80,9 +91,31 @@ async def _sse_data(response: httpx.Response):  # noqa: ANN202
                 yield line[6:]
 
 
-class VllmServicer(wpb_grpc.WorkerServicer):
-    def __init__(self, node: VllmWorker) -> None:
-        self.node = node
+def vllm_sampling(p: SamplingParams) -> dict:
+    """`p` as vLLM's completion request spells it (fields left off are vLLM's "off")."""
+    body = {
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "stop_token_ids": list(p.stop_tokens),
+        "min_tokens": p.min_tokens,
+    }
+    if p.seed:
+        body["seed"] = p.seed
+    if p.top_p < 1:
+        body["top_p"] = p.top_p
+    if p.top_k:
+        body["top_k"] = p.top_k
+    return body
+
+
+class VllmServicer(WorkerServicer):
+    """The Worker service on engine vllm: the same checks and conversions as the torch
+    worker's (`WorkerServicer._accept`, `wire`), each turn served by `VllmWorker`."""
+
+    node: VllmWorker
+
+    def _serves(self, role: Role) -> VllmWorker | None:
+        return self.node if self.node.role is role else None
 
     async def GetTransferInfo(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
@@ -92,37 +125,38 @@ class VllmServicer(wpb_grpc.WorkerServicer):
 
     async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
-        if n.role is not Role.PREFILL:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is decode")
-        route = Route(
-            hit_tokens=int(request.hit_tokens),
-            read_path="prefill",
-            peer=request.decode_node,
-            cache_salt=bytes(request.cache_salt),
-            request_id=request.request_id,
+        order = await self._accept(
+            context,
+            "Prefill",
+            self._serves(Role.PREFILL),
+            lambda msg, model: prefill_from_pb(msg, model, via_store=True),
+            request,
         )
+        n.claim(order.request_id)
         t0 = time.perf_counter()
         try:
-            body = await n.complete(list(request.prompt_tokens), route, max_tokens=1)
+            body = await n.prefill(order)
         except (httpx.HTTPError, RuntimeError) as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id} vLLM: {err}")
         usage = body.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        log.debug("prefill %s: %s hit tokens loaded", request.request_id, cached)
+        log.debug("prefill %s: %s hit tokens loaded", order.request_id, cached)
         yield wpb.PrefillMessage(done=wpb.PrefillDone(compute_seconds=time.perf_counter() - t0))
 
     async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
         n = self.node
-        if n.role is not Role.DECODE:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{n.node_id} is prefill")
+        turn = await self._accept(
+            context, "Generate", self._serves(Role.DECODE), generate_from_pb, request
+        )
+        n.claim(turn.request_id)
         try:
-            async for chunk in n.generate(request):
-                yield chunk
+            async for chunk in n.generate(turn):
+                yield chunk_to_pb(chunk)
         except grpc.aio.AioRpcError as err:  # the prefill node failed: name it for the retry
-            context.set_trailing_metadata(((FAILED_NODE_KEY, request.prefill_node),))
+            context.set_trailing_metadata(((FAILED_NODE_KEY, turn.prefill_node),))
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"prefill {request.prefill_node}: {err.code().name}: {err.details()}",
+                f"prefill {turn.prefill_node}: {err.code().name}: {err.details()}",
             )
         except (httpx.HTTPError, RuntimeError) as err:
             context.set_trailing_metadata(((FAILED_NODE_KEY, n.node_id),))
@@ -139,14 +173,15 @@ class VllmWorker:
         self.node_id = opts.node_id
         self.config_file = config_file
         self.started = False
-        self.draining = False
+        self.draining = False  # told the scheduler; still serving what is in flight
+        self.stopping = False  # refusing new calls
         self.inflight = 0
         self.tokens_running = 0
         self.read_pending_bytes = 0
         self.port = 0
         self.proc: asyncio.subprocess.Process | None = None
         self.http: httpx.AsyncClient | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: WorkerServer | None = None
         self._agent = None
         self._publisher = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -159,6 +194,7 @@ class VllmWorker:
         spec = self.cfg.spec
         storage = self.opts.storage or spec.storage.path
         vport = _free_loopback_port()
+        token_file, tls_dir = auth_files(self.opts.token)  # the connector speaks as this node
         cmd = vllm_command(
             self.cfg,
             config_file=self.config_file,
@@ -166,7 +202,8 @@ class VllmWorker:
             storage=storage,
             node_id=self.node_id,
             scheduler=self.opts.scheduler,
-            token_file=str(self.opts.token.path) if self.opts.token else "",
+            token_file=token_file,
+            tls_dir=tls_dir,
         )
         log.info("%s: starting vLLM on 127.0.0.1:%d", self.node_id, vport)
         self.proc = await asyncio.create_subprocess_exec(
@@ -178,15 +215,8 @@ class VllmWorker:
             timeout=httpx.Timeout(spec.workers.request_timeout_seconds, connect=10.0),
         )
         await self._wait_vllm(spec.workers.startup_seconds)
-        self._server = grpc.aio.server(
-            interceptors=server_interceptors(self.opts.token, f"{self.role.value}-worker")
-        )
-        wpb_grpc.add_WorkerServicer_to_server(VllmServicer(self), self._server)
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.opts.host}:{self.opts.port}")
-        await self._server.start()
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._server = WorkerServer(self, self.opts.token, servicer=VllmServicer(self))
+        self.port = await self._server.start(self.opts.host, self.opts.port)
         if self.opts.scheduler:
             await self._register(storage)
         self.started = True
@@ -214,36 +244,17 @@ class VllmWorker:
 
     @property
     def address(self) -> str:
-        adv = self.opts.advertise
-        if adv and adv.rsplit(":", 1)[-1].isdigit():
-            return adv
-        return f"{adv or self.opts.advertise_host or self.opts.host}:{self.port}"
+        return advertised_address(self.opts, self.port)
 
     async def _register(self, storage: str) -> None:
         from dualpath.kv.events import KvEventBuffer
         from dualpath.kv.store import KVStore
-        from dualpath.scheduler.client import NodeAgent, Registration
         from dualpath.scheduler.kv_events import KvEventPublisher
-        from dualpath.units import gbps_to_bytes_per_s
+        from dualpath.worker.registration import node_agent, node_registration
 
         spec = self.cfg.spec
-        pool = spec.pool(self.role)
-        snic = gbps_to_bytes_per_s(spec.storage.snic_gbps) if spec.storage.snic_gbps else 0.0
-        reg = Registration(
-            node_id=self.node_id,
-            role=self.role.value,
-            address=self.address,
-            snic_bytes_per_s=snic,
-            prefill_tokens_per_s=float(pool.prefill_tokens_per_s),
-            config_hash=self.cfg.config_hash,
-        )
-        self._agent = NodeAgent(
-            self.opts.scheduler,
-            reg,
-            self.load,
-            interval_s=spec.scheduler.heartbeat_interval_ms / 1000.0,
-            token=self.opts.token,
-        )
+        reg = node_registration(self.cfg, self.role, self.node_id, self.address)
+        self._agent = node_agent(self.cfg, self.opts, reg, self.load)
         # the connector in vLLM publishes what it stores; this node answers the scheduler's
         # store scans (a rebuilt index) with a scan of the same directory
         store = KVStore(storage, spec.model, spec.storage.capacity_bytes, backend="preadv")
@@ -253,6 +264,11 @@ class VllmWorker:
         ).start()
         self._agent.on_kv_snapshot = self._publisher.request_snapshot
         self._agent.start()
+
+    def claim(self, request_id: str) -> None:
+        """A routed request's call reached this node: the scheduler stops its route lease."""
+        if self._agent is not None:
+            self._agent.claim(request_id)
 
     def load(self) -> NodeLoad:
         return NodeLoad(
@@ -280,89 +296,77 @@ class VllmWorker:
 
     # ---- serving ----------------------------------------------------------------------------
 
-    def _body(self, prompt: list[int], route: Route, max_tokens: int, **sampling) -> dict:
+    def _body(
+        self, prompt: tuple[int, ...], route: Route, sampling: SamplingParams, stream: bool
+    ) -> dict:
         return {
             "model": self.cfg.spec.model.name,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
+            "prompt": list(prompt),
             "return_token_ids": True,
             "kv_transfer_params": route.params(),
-            **sampling,
+            "stream": stream,
+            **vllm_sampling(sampling),
         }
 
-    async def complete(self, prompt: list[int], route: Route, max_tokens: int) -> dict:
-        """One non-streamed completion on this node's vLLM (a prefill: max_tokens 1)."""
-        return await self._tracked(prompt, route, self._post(prompt, route, max_tokens))
-
-    async def _post(self, prompt: list[int], route: Route, max_tokens: int) -> dict:
-        r = await self.http.post(
-            "/v1/completions", json=self._body(prompt, route, max_tokens, temperature=0.0)
+    async def prefill(self, order: PrefillOrder) -> dict:
+        """Compute the prompt on this node's vLLM (one greedy token, not streamed): its
+        connector reads the hit (this node's read queue) and saves the new blocks."""
+        route = Route(
+            hit_tokens=order.hit_tokens,
+            read_path="prefill",
+            peer=order.decode_node,
+            cache_salt=order.cache_salt,
+            request_id=order.request_id,
         )
-        if r.status_code != 200:
-            raise RuntimeError(f"vLLM answered {r.status_code}: {r.text[:200]}")
-        return r.json()
-
-    async def _tracked(self, prompt: list[int], route: Route, coro):  # noqa: ANN001, ANN202
+        body = self._body(order.prompt, route, PREFILL_SAMPLING, stream=False)
         reads = route.hit_tokens * self.cfg.spec.model.kv_bytes_per_token
         self.inflight += 1
-        self.tokens_running += len(prompt)
+        self.tokens_running += len(order.prompt)
         self.read_pending_bytes += reads
         try:
-            return await coro
+            r = await self.http.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"vLLM answered {r.status_code}: {r.text[:200]}")
+            return r.json()
         finally:
             self.inflight -= 1
-            self.tokens_running -= len(prompt)
+            self.tokens_running -= len(order.prompt)
             self.read_pending_bytes -= reads
 
-    async def _prefill_on_peer(self, req) -> None:  # noqa: ANN001
-        stub = await self._stub(req.prefill_address)
+    async def _prefill_on_peer(self, turn: Turn) -> None:
+        order = PrefillOrder(
+            request_id=turn.request_id,
+            prompt=turn.prompt,
+            hit_tokens=turn.hit_tokens,
+            read_path="prefill",
+            decode_node=self.node_id,
+            decode_agent="",  # the KV comes through the store (`prefill_from_pb(via_store)`)
+            decode_agent_metadata=b"",
+            decode_hit=None,
+            decode_new=None,
+            cache_salt=turn.cache_salt,
+        )
+        stub = await prefill_stub(self._channels, turn.prefill_address, self.opts.token)
         call = stub.Prefill(
-            wpb.PrefillRequest(
-                request_id=req.request_id,
-                prompt_tokens=req.prompt_tokens,
-                hit_tokens=req.hit_tokens,
-                read_path=spb.READ_PATH_PREFILL,
-                decode_node=self.node_id,
-                cache_salt=req.cache_salt,
-            ),
-            timeout=self.cfg.spec.workers.request_timeout_seconds,
+            prefill_to_pb(order), timeout=self.cfg.spec.workers.request_timeout_seconds
         )
         async for _ in call:
             pass
 
-    async def _stub(self, address: str) -> wpb_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = token_channel(address, self.opts.token)
-        await connected(ch)
-        return wpb_grpc.WorkerStub(ch)
-
-    async def generate(self, req):  # noqa: ANN001, ANN201
-        """Serve one turn (decode node); yields GenerateChunks."""
-        prompt = list(req.prompt_tokens)
+    async def generate(self, turn: Turn) -> AsyncIterator[TurnChunk]:
+        """Serve one turn (decode node)."""
+        prompt = turn.prompt
         bt = self.cfg.spec.model.block_tokens
-        path = _PATH_NAMES.get(req.read_path, "prefill") if req.hit_tokens else "none"
-        salt = bytes(req.cache_salt)
+        path = turn.read_path if turn.hit_tokens else "none"
+        salt, rid = turn.cache_salt, turn.request_id
         if path == "decode":  # path D: this node reads the hit and computes the new tokens
-            route = Route(req.hit_tokens, "decode", req.prefill_node, salt, req.request_id)
+            route = Route(turn.hit_tokens, "decode", turn.prefill_node, salt, rid)
         else:  # path P: the prefill node reads and computes; its blocks come through the store
-            await self._prefill_on_peer(req)
-            route = Route(len(prompt) // bt * bt, "prefill", req.prefill_node, salt, req.request_id)
+            await self._prefill_on_peer(turn)
+            route = Route(len(prompt) // bt * bt, "prefill", turn.prefill_node, salt, rid)
         metrics.TURNS.labels(path=path).inc()
-        hit = usable_hit_tokens(req.hit_tokens, len(prompt), VLLM_BLOCK_TOKENS)
-        sampling = {
-            "temperature": req.temperature,
-            "stream": True,
-            "stop_token_ids": list(req.stop_tokens),
-            "min_tokens": req.min_tokens,
-        }
-        if req.seed:
-            sampling["seed"] = req.seed
-        if 0 < req.top_p < 1:
-            sampling["top_p"] = req.top_p
-        if req.top_k:
-            sampling["top_k"] = req.top_k
-        body = self._body(prompt, route, req.max_new_tokens, **sampling)
+        hit = usable_hit_tokens(turn.hit_tokens, len(prompt), VLLM_BLOCK_TOKENS)
+        body = self._body(prompt, route, turn.sampling, stream=True)
         first = True
         self.inflight += 1
         self.tokens_running += len(prompt)
@@ -376,17 +380,15 @@ class VllmWorker:
                 async for line in _sse_data(r):
                     msg = json.loads(line)
                     for c in msg.get("choices") or ():
-                        chunk = wpb.GenerateChunk(
-                            tokens=c.get("token_ids") or [],
-                            finish_reason=c.get("finish_reason") or "",
-                        )
+                        tokens = tuple(c.get("token_ids") or ())
+                        finish = c.get("finish_reason") or ""
                         if first:  # the route's hit in whole vLLM blocks (docs/vllm.md)
                             first = False
                             self.read_pending_bytes -= reads  # read before the first token
                             reads = 0
-                            chunk.hit_tokens = hit
-                            chunk.read_path = _PATH_PB.get(path, spb.READ_PATH_UNSPECIFIED)
-                        yield chunk
+                            yield TurnChunk(tokens, finish, hit_tokens=hit, read_path=path)
+                        else:
+                            yield TurnChunk(tokens, finish)
         finally:
             self.inflight -= 1
             self.tokens_running -= len(prompt)
@@ -406,13 +408,14 @@ class VllmWorker:
 
     async def stop(self) -> None:
         self.draining = True
+        self.stopping = True
         self.started = False
         if self._publisher is not None:
             await self._publisher.stop()
         if self._agent is not None:
             await self._agent.stop()
         if self._server is not None:
-            await self._server.stop(grace=1.0)
+            await self._server.stop(grace_s=1.0)
         for ch in self._channels.values():
             await ch.close()
         if self.http is not None:

@@ -81,7 +81,9 @@ class PrefillOrder:
     decode_agent: str
     decode_agent_metadata: bytes
     decode_hit: Region | None  # path P: the prefill writes the hit KV here
-    decode_new: Region  # the prefill writes the new tokens' KV here
+    # the prefill writes the new tokens' KV here; None: the KV goes through the store instead
+    # (engine vllm, `via_store`), no NIXL agent or region is named
+    decode_new: Region | None
     cache_salt: bytes
 
 
@@ -213,9 +215,13 @@ def prefill_to_pb(o: PrefillOrder) -> wpb.PrefillRequest:
     )
 
 
-def prefill_from_pb(msg: wpb.PrefillRequest, model: ModelSpec) -> PrefillOrder:
+def prefill_from_pb(
+    msg: wpb.PrefillRequest, model: ModelSpec, via_store: bool = False
+) -> PrefillOrder:
     """The order, its fields checked (the regions against the request's own layout; whether
-    they lie in the decode agent's buffer is the role's to check, with its transfer engine)."""
+    they lie in the decode agent's buffer is the role's to check, with its transfer engine).
+    `via_store` (engine vllm): the prefill's KV reaches the decode node through the store, so
+    the decode agent and its regions are neither needed nor read."""
     prompt = tuple(msg.prompt_tokens)
     _prompt("prompt_tokens", prompt, model.vocab_size)
     _salt("cache_salt", msg.cache_salt)
@@ -226,18 +232,21 @@ def prefill_from_pb(msg: wpb.PrefillRequest, model: ModelSpec) -> PrefillOrder:
     except ValueError as err:
         raise BadField("hit_tokens", str(err)) from None
     path = _path(msg.read_path) if layout.hit_blocks else "none"
-    if not msg.decode_agent:
-        raise BadField("decode_agent", "is required (the decode worker's NIXL agent)")
-    new = _region("decode_new", msg, layout.new_bytes)
-    hit = _region("decode_hit", msg, layout.hit_bytes) if path == "prefill" else None
+    agent, metadata, hit, new = "", b"", None, None
+    if not via_store:
+        if not msg.decode_agent:
+            raise BadField("decode_agent", "is required (the decode worker's NIXL agent)")
+        agent, metadata = msg.decode_agent, bytes(msg.decode_agent_metadata)
+        new = _region("decode_new", msg, layout.new_bytes)
+        hit = _region("decode_hit", msg, layout.hit_bytes) if path == "prefill" else None
     return PrefillOrder(
         request_id=msg.request_id,
         prompt=prompt,
         hit_tokens=int(msg.hit_tokens),
         read_path=path,
         decode_node=msg.decode_node,
-        decode_agent=msg.decode_agent,
-        decode_agent_metadata=bytes(msg.decode_agent_metadata),
+        decode_agent=agent,
+        decode_agent_metadata=metadata,
         decode_hit=hit,
         decode_new=new,
         cache_salt=bytes(msg.cache_salt),

@@ -13,8 +13,9 @@ engine-core process, the worker half (`worker_side.WorkerSide`) in each worker p
 class only hands vLLM's hooks to them. `kv_connector_extra_config`:
 `config_file` (the DualPathCluster YAML: model, storage and its SNIC cap; default the embedded
 one), `storage` (the KV directory; default spec.storage.path), `node_id` (the read queue's and
-the KV event publisher's name), `scheduler` (host:port; empty: no KV events) and `token_file`
-(the cluster token of the scheduler's gRPC).
+the KV event publisher's name), `scheduler` (host:port; empty: no KV events), and how it
+authenticates to the scheduler: `tls_dir` (the worker's mutual TLS directory: the connector
+speaks as its node) or `token_file` (the cluster token).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 node_id=extra.get("node_id") or "vllm",
                 scheduler=extra.get("scheduler") or "",
                 token_file=extra.get("token_file") or "",
+                tls_dir=extra.get("tls_dir") or "",
             )
         log.info(
             "DualPathConnector (%s): model %s, vLLM block %d = %d store blocks of %d",

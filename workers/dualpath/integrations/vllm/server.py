@@ -32,7 +32,7 @@ class VllmCommand:
 
 
 def kv_transfer_config(
-    config_file: str, storage: str, node_id: str, scheduler: str, token_file: str
+    config_file: str, storage: str, node_id: str, scheduler: str, token_file: str, tls_dir: str
 ) -> dict:
     """The connector line of a vLLM that serves DualPath (docs/vllm.md)."""
     return {
@@ -46,6 +46,7 @@ def kv_transfer_config(
             "node_id": node_id,
             "scheduler": scheduler,
             "token_file": token_file,
+            "tls_dir": tls_dir,
         },
     }
 
@@ -71,14 +72,17 @@ def vllm_command(
     node_id: str,
     scheduler: str = "",
     token_file: str = "",
+    tls_dir: str = "",
 ) -> VllmCommand:
+    """`token_file`, `tls_dir`: how the connector authenticates to the scheduler (the worker's
+    own, `grpc_auth.auth_files`)."""
     model = cfg.spec.model
     if not model.checkpoint_path:
         raise ValueError(
             "workers.engine vllm needs model.checkpointPath: write one with "
             "`dualpath model write --out DIR` (dualpath up --engine vllm does)"
         )
-    kv = kv_transfer_config(config_file, storage, node_id, scheduler, token_file)
+    kv = kv_transfer_config(config_file, storage, node_id, scheduler, token_file, tls_dir)
     argv = [
         vllm_executable(),
         "serve",

@@ -83,12 +83,14 @@ class WorkerSide:
         node_id: str,
         scheduler: str = "",
         token_file: str = "",
+        tls_dir: str = "",
     ) -> None:
         self.cfg = cfg
         self.storage = storage
         self.node_id = node_id
         self.scheduler = scheduler
         self.token_file = token_file
+        self.tls_dir = tls_dir
         self.store = None
         self.read_queue = None
         self._events = None
@@ -147,20 +149,22 @@ class WorkerSide:
         )
 
     async def _start_publisher(self) -> None:
-        from dualpath.grpc_auth import load as load_token
+        from dualpath.grpc_auth import load_auth
+        from dualpath.grpc_identity import node_publisher
         from dualpath.scheduler.client import channel
         from dualpath.scheduler.kv_events import KvEventPublisher
         from dualpath.v1 import scheduler_pb2_grpc
 
-        token = (
-            load_token(self.token_file, f"vLLM connector {self.node_id}")
-            if self.token_file
+        # the worker's own credentials (neither given: unauthenticated, as the worker is)
+        auth = (
+            load_auth(self.token_file, self.tls_dir, f"vLLM connector {self.node_id}")
+            if self.token_file or self.tls_dir
             else None
         )
-        stub = scheduler_pb2_grpc.SchedulerStub(channel(self.scheduler, token))
+        stub = scheduler_pb2_grpc.SchedulerStub(channel(self.scheduler, auth))
         # its own publisher id: the worker adapter of this node publishes under node_id
         self._publisher = KvEventPublisher(
-            stub, f"{self.node_id}/vllm", self._events, self.store.scan_keys
+            stub, node_publisher(self.node_id, "vllm"), self._events, self.store.scan_keys
         ).start()
 
     def shutdown(self) -> None:

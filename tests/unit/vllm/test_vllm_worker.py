@@ -1,0 +1,209 @@
+"""The worker on engine vllm behind the shared gRPC edge, without a vLLM: a prefill and a
+decode `VllmWorker` on `WorkerServer` under mutual TLS (each with its own node certificate),
+their vLLM children replaced by an HTTP handler that records each completion request."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+from dualpath.config import Role, from_resource
+from dualpath.grpc_auth import auth_files, channel
+from dualpath.integrations.vllm.plan import Route
+from dualpath.integrations.vllm.server import kv_transfer_config
+from dualpath.sampling import SamplingParams
+from dualpath.tls import LocalCA, TlsCredentials
+from dualpath.v1 import scheduler_pb2 as spb
+from dualpath.v1 import worker_pb2 as wpb
+from dualpath.v1 import worker_pb2_grpc as wpb_grpc
+from dualpath.worker.node import NodeOptions
+from dualpath.worker.service import WorkerServer
+from dualpath.worker.vllm import VllmServicer, VllmWorker, vllm_sampling
+from dualpath.worker.wire import BadField, prefill_from_pb
+
+BT = 16
+
+
+def _cfg(tmp_path):
+    return from_resource(
+        {
+            "apiVersion": "dualpath.io/v1alpha1",
+            "kind": "DualPathCluster",
+            "metadata": {"name": "c1"},
+            "spec": {
+                "model": {"name": "dualpath-tiny", "preset": "tiny", "blockTokens": BT},
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "storage": {"path": str(tmp_path / "kv")},
+            },
+        }
+    )
+
+
+def test_sampling_maps_to_vllms_request_fields_in_one_place() -> None:
+    p = SamplingParams(
+        temperature=0.7, max_tokens=9, stop_tokens=(3, 4), seed=7, top_p=0.5, top_k=3, min_tokens=2
+    )
+    assert vllm_sampling(p) == {
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "stop_token_ids": [3, 4],
+        "min_tokens": 2,
+        "seed": 7,
+        "top_p": 0.5,
+        "top_k": 3,
+    }
+    # off (seed 0, top_p 1, top_k 0): left to vLLM's defaults
+    assert set(vllm_sampling(SamplingParams())) == {
+        "max_tokens",
+        "temperature",
+        "stop_token_ids",
+        "min_tokens",
+    }
+
+
+def test_a_prefill_through_the_store_needs_no_agent_but_is_checked(tmp_path) -> None:
+    model = _cfg(tmp_path).spec.model
+    msg = wpb.PrefillRequest(
+        request_id="r1",
+        prompt_tokens=list(range(1, 2 * BT + 3)),
+        hit_tokens=BT,
+        read_path=spb.READ_PATH_PREFILL,
+        decode_node="decode-0",
+    )
+    order = prefill_from_pb(msg, model, via_store=True)
+    assert (order.hit_tokens, order.read_path, order.decode_new) == (BT, "prefill", None)
+    with pytest.raises(BadField, match="decode_agent"):
+        prefill_from_pb(msg, model)  # the torch worker's needs the NIXL agent
+    msg.hit_tokens = BT + 1
+    with pytest.raises(BadField, match="hit_tokens"):
+        prefill_from_pb(msg, model, via_store=True)
+
+
+def test_the_connector_gets_the_workers_own_credentials(tmp_path) -> None:
+    d = LocalCA(tmp_path / "tls", "c1").issue_dir("decode-0", "decode", "decode-0")
+    token_file, tls_dir = auth_files(TlsCredentials(d))
+    assert (token_file, tls_dir) == ("", str(d))
+    extra = kv_transfer_config("c.yaml", "/kv", "decode-0", "s:1", token_file, tls_dir)
+    assert extra["kv_connector_extra_config"]["tls_dir"] == str(d)
+    assert auth_files(None) == ("", "")
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.claimed: list[str] = []
+        self.registered = True
+
+    def claim(self, request_id: str) -> None:
+        self.claimed.append(request_id)
+
+
+def _fake_vllm(bodies: list[dict]) -> httpx.AsyncClient:
+    """A vLLM's /v1/completions: a non-streamed answer or two streamed chunks."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if not body["stream"]:
+            usage = {"prompt_tokens_details": {"cached_tokens": 0}}
+            return httpx.Response(200, json={"choices": [{"token_ids": [5]}], "usage": usage})
+        events = [
+            {"choices": [{"token_ids": [11, 12]}]},
+            {"choices": [{"token_ids": [13], "finish_reason": "length"}]},
+        ]
+        sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        return httpx.Response(200, content=sse + b"data: [DONE]\n\n")
+
+    return httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(handle))
+
+
+@pytest.fixture
+async def pair(tmp_path):
+    cfg = _cfg(tmp_path)
+    ca = LocalCA(tmp_path / "tls", "c1")
+    workers, servers = {}, []
+    for role, name in ((Role.PREFILL, "prefill-0"), (Role.DECODE, "decode-0")):
+        auth = TlsCredentials(ca.issue_dir(name, role.value, name))
+        w = VllmWorker(cfg, NodeOptions(role=role, node_id=name, token=auth), config_file="")
+        w.bodies = []
+        w.http = _fake_vllm(w.bodies)
+        w._agent = _Agent()
+        server = WorkerServer(w, auth, servicer=VllmServicer(w))
+        w.port = await server.start("127.0.0.1", 0)
+        w.started = True
+        workers[name], servers = w, [*servers, server]
+    frontend = TlsCredentials(ca.issue_dir("frontend", "frontend", "frontend"))
+    try:
+        yield workers["prefill-0"], workers["decode-0"], frontend
+    finally:
+        for w in workers.values():
+            for ch in w._channels.values():
+                await ch.close()
+            await w.http.aclose()
+        for s in servers:
+            await s.stop(grace_s=0.1)
+
+
+async def test_a_turn_over_mtls_claims_its_route_on_both_nodes_and_samples_as_asked(pair):
+    prefill, decode, frontend = pair
+    req = wpb.GenerateRequest(
+        request_id="turn-1",
+        prompt_tokens=list(range(1, 2 * BT + 5)),
+        hit_tokens=BT,
+        read_path=spb.READ_PATH_PREFILL,
+        prefill_node="prefill-0",
+        prefill_address=prefill.address,
+        max_new_tokens=3,
+        temperature=0.5,
+        seed=7,
+        top_k=3,
+        stop_tokens=[2],
+    )
+    async with channel(decode.address, frontend, server_role="decode") as ch:
+        chunks = [c async for c in wpb_grpc.WorkerStub(ch).Generate(req, timeout=30)]
+    assert [list(c.tokens) for c in chunks] == [[11, 12], [13]]
+    assert chunks[0].read_path == spb.READ_PATH_PREFILL and chunks[-1].finish_reason == "length"
+    # path P: the prefill node's vLLM computed the prompt (greedy, one token) first
+    (pbody,) = prefill.bodies
+    assert (pbody["max_tokens"], pbody["temperature"], pbody["stream"]) == (1, 0.0, False)
+    assert Route.of(pbody["kv_transfer_params"]) == Route(BT, "prefill", "decode-0", b"", "turn-1")
+    (dbody,) = decode.bodies
+    assert dbody["stream"] and dbody["prompt"] == list(req.prompt_tokens)
+    assert {k: dbody.get(k) for k in ("max_tokens", "temperature", "seed", "top_k")} == {
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "seed": 7,
+        "top_k": 3,
+    }
+    assert dbody["stop_token_ids"] == [2] and "top_p" not in dbody
+    assert prefill._agent.claimed == ["turn-1"] and decode._agent.claimed == ["turn-1"]
+    assert decode.inflight == prefill.inflight == 0 and decode.read_pending_bytes == 0
+
+
+async def test_bad_fields_wrong_roles_and_plaintext_are_refused(pair):
+    prefill, decode, frontend = pair
+    async with channel(decode.address, frontend, server_role="decode") as ch:
+        stub = wpb_grpc.WorkerStub(ch)
+        bad = wpb.GenerateRequest(request_id="r", prompt_tokens=[1 << 30], max_new_tokens=1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [c async for c in stub.Generate(bad, timeout=10)]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_tokens" in err.value.details()
+    async with channel(prefill.address, frontend, server_role="prefill") as ch:
+        ok = wpb.GenerateRequest(request_id="r", prompt_tokens=[1], max_new_tokens=1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [c async for c in wpb_grpc.WorkerStub(ch).Generate(ok, timeout=10)]
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # a frontend may not ask a prefill node for a Prefill (only a decode node, for itself)
+    async with channel(prefill.address, frontend, server_role="prefill") as ch:
+        order = wpb.PrefillRequest(request_id="r", prompt_tokens=[1, 2], decode_node="decode-0")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in wpb_grpc.WorkerStub(ch).Prefill(order, timeout=10)]
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with channel(decode.address, None) as ch:  # plaintext: no handshake, no call
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await wpb_grpc.WorkerStub(ch).GetTransferInfo(wpb.TransferInfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert prefill.bodies == [] and decode.bodies == []
