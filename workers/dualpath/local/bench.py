@@ -36,7 +36,7 @@ import httpx
 
 from dualpath import config
 from dualpath.local import budget
-from dualpath.local.interrupt import Interrupted
+from dualpath.local.interrupt import Interrupted, run_interruptible
 from dualpath.local.openai_client import stream_completion
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
@@ -564,7 +564,7 @@ def replay_on(
             )
 
     try:
-        return asyncio.run(go())
+        return run_interruptible(go())
     finally:
         progress.close()
 

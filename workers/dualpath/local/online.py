@@ -53,6 +53,7 @@ import httpx
 from dualpath import config
 from dualpath.local import bench
 from dualpath.local.budget import Capacity, capacity
+from dualpath.local.interrupt import run_interruptible
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
 
@@ -277,7 +278,7 @@ def _unloaded_ttft(
     results: list[bench.TurnResult] = []
     for tr in base[:UNLOADED_SESSIONS]:
         one = replace(tr, agent_id=f"u-{tr.agent_id}", start_s=0.0)
-        results += asyncio.run(_arrive(frontend, cfg, [one], args))
+        results += run_interruptible(_arrive(frontend, cfg, [one], args))
     failed = [r for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"unloaded turns failed ({len(failed)}): {failed[0].error}")
@@ -321,7 +322,7 @@ def sweep(
             rate = round(rate, 4)
             trs = arrivals(base, rate, len(out), args.seed, args.point_s)
             t0 = time.perf_counter()
-            results = asyncio.run(_arrive(frontend, pcfg, trs, args))
+            results = run_interruptible(_arrive(frontend, pcfg, trs, args))
             p = point(rate, len(trs), results, time.perf_counter() - t0)
             p.met_sla = meets(p, sla)
             p.load = round(rate / cap.agents_per_s, 3)
