@@ -192,7 +192,9 @@ def test_prefill_runs_compute_off_the_loop(engine):
         t.cancel()
         return ticks
 
-    assert asyncio.run(main()) > SPEC.layers
+    # the loop turns at least once per layer computed off it (on it, the ticker would not run
+    # until the prefill ended); how many more times depends on the machine's load, not asserted
+    assert asyncio.run(main()) >= SPEC.layers
 
 
 def _sdpa_reference(q, k, v, hit_k, hit_v, scale):
