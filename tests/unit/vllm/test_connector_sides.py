@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 from dualpath.integrations.vllm import blocks, cache
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
 from dualpath.integrations.vllm.plan import Route
 from dualpath.integrations.vllm.scheduler_side import SchedulerSide
 from dualpath.integrations.vllm.worker_side import WorkerSide
@@ -78,7 +79,7 @@ def _worker(tmp: Path, cfg) -> tuple[WorkerSide, dict[int, torch.Tensor]]:
         f"model.layers.{i}.self_attn.attn": torch.zeros(16, m.kv_heads, VB, 2 * m.head_dim)
         for i in range(m.layers)
     }
-    w = WorkerSide(cfg, storage=str(tmp / "kv"), node_id="t")
+    w = WorkerSide(cfg, ConnectorConfig(storage=str(tmp / "kv"), node_id="t"))
     w.register_kv_caches(caches, _vllm_reshape_and_cache)
     return w, {i: t for i, t in enumerate(caches.values())}
 
@@ -111,8 +112,8 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path
     }  # fmt: skip
     # turn 1: no route, nothing loaded; blocks 0..3 (256 tokens) saved from vLLM blocks [2, 5, 6]
     r1 = _request("r1", tokens)
-    assert sched.get_num_new_matched_tokens(r1, 0) == 0
-    sched.update_state_after_alloc(r1, 0)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    sched.update_state_after_alloc(r1, [], 0)
     plan = sched.build(_step("r1", tokens, [2, 5, 6], 0, 300))
     assert not plan.loads and [(s.start, len(s.tokens)) for s in plan.saves] == [(0, 256)]
     slots = torch.tensor(blocks.slots([2, 5, 6], 0, 300, VB))  # where vLLM computes them
@@ -122,8 +123,8 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path
     # turn 2: the route says 4 store blocks hit; vLLM loads 2 whole vLLM blocks into [9, 4, ...]
     t2 = tokens + [7] * 100
     r2 = _request("r2", t2, Route(256, "decode"))
-    assert sched.get_num_new_matched_tokens(r2, 0) == 256
-    sched.update_state_after_alloc(r2, 256)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (256, False)
+    sched.update_state_after_alloc(r2, [9, 4, 11, 12], 256)
     plan = sched.build(_step("r2", t2, [9, 4, 11, 12], 256, 144))
     (load,) = plan.loads
     assert load.path == "decode" and load.block_ids == ids(t2, b"")[:4]
@@ -156,8 +157,8 @@ def test_a_corrupt_block_ends_the_hit_and_names_the_vllm_blocks_to_recompute(
         f.seek(third.stat().st_size // 2)
         f.write(os.urandom(64))
     r2 = _request("r2", tokens, Route(384, "prefill"))
-    assert sched.get_num_new_matched_tokens(r2, 0) == 384
-    sched.update_state_after_alloc(r2, 384)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (384, False)
+    sched.update_state_after_alloc(r2, [5, 6, 7, 8], 384)
     plan = sched.build(_step("r2", tokens, [5, 6, 7, 8], 384, 16))
     _forward(worker, caches, plan)
     # a checksum failure in a layer drops the whole hit: every loaded vLLM block is recomputed

@@ -11,7 +11,9 @@ import httpx
 import pytest
 from dualpath.config import Role, from_resource
 from dualpath.grpc_auth import auth_files, channel
-from dualpath.integrations.vllm.plan import Route
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
+from dualpath.integrations.vllm.plan import KvTarget, Route
+from dualpath.integrations.vllm.rendezvous import Ready, RendezvousServer
 from dualpath.integrations.vllm.server import kv_transfer_config
 from dualpath.sampling import SamplingParams
 from dualpath.tls import LocalCA, TlsCredentials
@@ -86,8 +88,15 @@ def test_the_connector_gets_the_workers_own_credentials(tmp_path) -> None:
     d = LocalCA(tmp_path / "tls", "c1").issue_dir("decode-0", "decode", "decode-0")
     token_file, tls_dir = auth_files(TlsCredentials(d))
     assert (token_file, tls_dir) == ("", str(d))
-    extra = kv_transfer_config("c.yaml", "/kv", "decode-0", "s:1", token_file, tls_dir)
+    cc = ConnectorConfig("c.yaml", "/kv", "decode-0", "s:1", token_file, tls_dir, 7)
+    extra = kv_transfer_config(cc)
     assert extra["kv_connector_extra_config"]["tls_dir"] == str(d)
+    # one dataclass both ends use: what the adapter writes is what the connector reads
+    assert ConnectorConfig.of(extra["kv_connector_extra_config"]) == cc
+    with pytest.raises(ValueError, match="rendezvous_port"):
+        ConnectorConfig.of({"rendezvous_port": "x"})
+    with pytest.raises(ValueError, match="unknown"):
+        ConnectorConfig.of({"stroage": "/kv"})
     assert auth_files(None) == ("", "")
 
 
@@ -135,9 +144,20 @@ async def pair(tmp_path):
         w.started = True
         workers[name], servers = w, [*servers, server]
     frontend = TlsCredentials(ca.issue_dir("frontend", "frontend", "frontend"))
+    # the connector's loopback rendezvous in the decode's vLLM: a target of 2 layers
+    asked: list[str] = []
+
+    def ready(xfer_id: str, timeout_s: float) -> Ready:
+        asked.append(xfer_id)
+        return Ready(KvTarget("decode-0-vllm-1", b"meta", (1 << 20, 2 << 20), 512, (3, 4, 5)), 0)
+
+    rv = RendezvousServer(0, ready)
+    workers["decode-0"].rendezvous_port = rv.port
+    workers["decode-0"].asked = asked
     try:
         yield workers["prefill-0"], workers["decode-0"], frontend
     finally:
+        rv.close()
         for w in workers.values():
             for ch in w._channels.values():
                 await ch.close()
@@ -165,12 +185,25 @@ async def test_a_turn_over_mtls_claims_its_route_on_both_nodes_and_samples_as_as
         chunks = [c async for c in wpb_grpc.WorkerStub(ch).Generate(req, timeout=30)]
     assert [list(c.tokens) for c in chunks] == [[11, 12], [13]]
     assert chunks[0].read_path == spb.READ_PATH_PREFILL and chunks[-1].finish_reason == "length"
-    # path P: the prefill node's vLLM computed the prompt (greedy, one token) first
-    (pbody,) = prefill.bodies
-    assert (pbody["max_tokens"], pbody["temperature"], pbody["stream"]) == (1, 0.0, False)
-    assert Route.of(pbody["kv_transfer_params"]) == Route(BT, "prefill", "decode-0", b"", "turn-1")
+    # the decode's vLLM was asked first, as a receiver of the transfer it then asked about
     (dbody,) = decode.bodies
     assert dbody["stream"] and dbody["prompt"] == list(req.prompt_tokens)
+    recv = Route.of(dbody["kv_transfer_params"])
+    assert recv.receive and recv.xfer_id.startswith("turn-1/") and recv.deadline_unix > 0
+    assert decode.asked == [recv.xfer_id]
+    # path P: the prefill node's vLLM computed the prompt (greedy, one token), sending its KV
+    # to the target the rendezvous named, under the same transfer id and deadline
+    (pbody,) = prefill.bodies
+    assert (pbody["max_tokens"], pbody["temperature"], pbody["stream"]) == (1, 0.0, False)
+    send = Route.of(pbody["kv_transfer_params"])
+    assert (send.hit_tokens, send.read_path, send.peer, send.request_id) == (
+        BT,
+        "prefill",
+        "decode-0",
+        "turn-1",
+    )
+    assert (send.xfer_id, send.deadline_unix) == (recv.xfer_id, recv.deadline_unix)
+    assert send.send_to == KvTarget("decode-0-vllm-1", b"meta", (1 << 20, 2 << 20), 512, (3, 4, 5))
     assert {k: dbody.get(k) for k in ("max_tokens", "temperature", "seed", "top_k")} == {
         "max_tokens": 3,
         "temperature": 0.5,
