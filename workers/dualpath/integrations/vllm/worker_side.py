@@ -67,6 +67,7 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
+POLL_S = 0.0005  # the notification poller's period while receivers wait
 SENT_MEMORY = 4096  # transfer ids a sender remembers having sent (never sends one twice)
 
 
@@ -135,6 +136,9 @@ class WorkerSide:
         self._sends: list[_Send] = []
         self._send_plan: StepPlan | None = None
         self._sent: OrderedDict[str, None] = OrderedDict()
+        self._poller: threading.Thread | None = None
+        self._arrived: list[bytes] = []  # notifications the poller took, for the next step
+        self._closing = False
         self.store = None
         self.read_queue = None
         self._events = None
@@ -220,6 +224,9 @@ class WorkerSide:
         ).start()
 
     def shutdown(self) -> None:
+        self._closing = True
+        if self._poller is not None:
+            self._poller.join(timeout=2.0)
         if self._rendezvous is not None:
             self._rendezvous.close()
         if self.agent is not None:
@@ -354,6 +361,11 @@ class WorkerSide:
         rv = _Recv(r)
         with self._cond:
             self._recvs[r.xfer_id] = rv
+            if self._poller is None or not self._poller.is_alive():
+                self._poller = threading.Thread(
+                    target=self._poll_notifications, name="dualpath-nixl-poll", daemon=True
+                )
+                self._poller.start()
         log.info(
             "request %s: receiving %d prompt tokens over NIXL as %s (path %s, own hit %d)",
             r.req_id,
@@ -422,13 +434,30 @@ class WorkerSide:
             rv = self._recvs[xfer_id]
             return Ready(self.agent.target(rv.plan.block_table), rv.hit_tokens)
 
+    def _poll_notifications(self) -> None:
+        """While receivers wait: poll NIXL, which also drives UCX progress for the transfers
+        a sender makes into (and, path D, out of) this cache; vLLM's steps are too sparse for
+        that while it decodes a batch. The agent's only user on a receiving instance."""
+        while not self._closing:
+            with self._cond:
+                if not self._recvs:
+                    self._poller = None
+                    return
+            got = self.agent.notifications()
+            if got:
+                with self._cond:
+                    self._arrived.extend(got)
+            time.sleep(POLL_S)
+
     def finished_receiving(self) -> set[str]:
         """vLLM request ids received this step: their notification came, or their deadline
         passed (then the blocks past their own hit are load errors: vLLM recomputes them)."""
-        if not self._recvs:
-            return set()
+        with self._cond:
+            if not self._recvs and not self._arrived:
+                return set()
+            arrived, self._arrived = self._arrived, []
         done = set()
-        for msg in self.agent.notifications():
+        for msg in arrived:
             xfer_id = msg.decode(errors="replace")
             with self._cond:
                 rv = self._recvs.pop(xfer_id, None)
