@@ -4,7 +4,9 @@ their vLLM children replaced by an HTTP handler that records each completion req
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import grpc
 import httpx
@@ -13,7 +15,7 @@ from dualpath.config import Role, from_resource
 from dualpath.grpc_auth import auth_files, channel
 from dualpath.integrations.vllm.connector_config import ConnectorConfig
 from dualpath.integrations.vllm.plan import KvTarget, Route
-from dualpath.integrations.vllm.rendezvous import Ready, RendezvousServer
+from dualpath.integrations.vllm.rendezvous import Ready, RendezvousError, RendezvousServer
 from dualpath.integrations.vllm.server import kv_transfer_config
 from dualpath.sampling import SamplingParams
 from dualpath.tls import LocalCA, TlsCredentials
@@ -109,15 +111,19 @@ class _Agent:
         self.claimed.append(request_id)
 
 
-def _fake_vllm(bodies: list[dict]) -> httpx.AsyncClient:
-    """A vLLM's /v1/completions: a non-streamed answer or two streamed chunks."""
+def _fake_vllm(bodies: list[dict], prefilled: asyncio.Event) -> httpx.AsyncClient:
+    """A vLLM's /v1/completions: a non-streamed answer (a prefill) or two streamed chunks,
+    a receiver's once a prefill ran (as vLLM parks a receiver until its KV arrived)."""
 
-    def handle(request: httpx.Request) -> httpx.Response:
+    async def handle(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         bodies.append(body)
         if not body["stream"]:
+            prefilled.set()
             usage = {"prompt_tokens_details": {"cached_tokens": 0}}
             return httpx.Response(200, json={"choices": [{"token_ids": [5]}], "usage": usage})
+        if Route.of(body.get("kv_transfer_params")).receive:
+            await asyncio.wait_for(prefilled.wait(), 30)
         events = [
             {"choices": [{"token_ids": [11, 12]}]},
             {"choices": [{"token_ids": [13], "finish_reason": "length"}]},
@@ -133,11 +139,12 @@ async def pair(tmp_path):
     cfg = _cfg(tmp_path)
     ca = LocalCA(tmp_path / "tls", "c1")
     workers, servers = {}, []
+    prefilled = asyncio.Event()
     for role, name in ((Role.PREFILL, "prefill-0"), (Role.DECODE, "decode-0")):
         auth = TlsCredentials(ca.issue_dir(name, role.value, name))
         w = VllmWorker(cfg, NodeOptions(role=role, node_id=name, token=auth), config_file="")
         w.bodies = []
-        w.http = _fake_vllm(w.bodies)
+        w.http = _fake_vllm(w.bodies, prefilled)
         w._agent = _Agent()
         server = WorkerServer(w, auth, servicer=VllmServicer(w))
         w.port = await server.start("127.0.0.1", 0)
@@ -240,3 +247,33 @@ async def test_bad_fields_wrong_roles_and_plaintext_are_refused(pair):
             await wpb_grpc.WorkerStub(ch).GetTransferInfo(wpb.TransferInfoRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert prefill.bodies == [] and decode.bodies == []
+
+
+async def test_a_receiver_vllm_refuses_fails_the_turn_without_waiting_or_a_prefill(pair):
+    """The rendezvous would wait for a request vLLM never parks: the refusal ends the turn."""
+    prefill, decode, frontend = pair
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": "bad request"})
+
+    def never_ready(xfer_id: str, timeout_s: float) -> Ready:
+        time.sleep(min(timeout_s, 30))  # a server thread: as the connector's, bounded
+        raise RendezvousError(f"transfer {xfer_id} not ready")
+
+    await decode.http.aclose()
+    decode.http = httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(refuse))
+    rv = RendezvousServer(0, never_ready)
+    decode.rendezvous_port = rv.port
+    req = wpb.GenerateRequest(
+        request_id="turn-2",
+        prompt_tokens=list(range(1, BT + 5)),
+        prefill_node="prefill-0",
+        prefill_address=prefill.address,
+        max_new_tokens=2,
+    )
+    async with channel(decode.address, frontend, server_role="decode") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [c async for c in wpb_grpc.WorkerStub(ch).Generate(req, timeout=30)]
+    rv.close()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "400" in err.value.details()
+    assert prefill.bodies == [] and decode.inflight == 0

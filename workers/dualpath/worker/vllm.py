@@ -437,10 +437,19 @@ class VllmWorker:
         reader = asyncio.create_task(self._stream(body, answers))
         try:
             if receive:
-                ready = await rendezvous.ask(self.rendezvous_port, xfer_id, timeout_s)
-                self.read_pending_bytes -= reads  # the hit is in this vLLM's blocks now
-                reads = 0
-                await self._prefill_on_peer(turn, path, ready, xfer_id, deadline)
+                ask = asyncio.create_task(rendezvous.ask(self.rendezvous_port, xfer_id, timeout_s))
+                # vLLM may refuse the request or answer it without parking it (nothing to
+                # receive): then its answer, or its error, is all there is
+                done, _ = await asyncio.wait({ask, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if ask in done:
+                    ready = ask.result()
+                    self.read_pending_bytes -= reads  # the hit is in this vLLM's blocks now
+                    reads = 0
+                    await self._prefill_on_peer(turn, path, ready, xfer_id, deadline)
+                else:
+                    ask.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, rendezvous.RendezvousError):
+                        await ask
             while (msg := await answers.get()) is not None:
                 if isinstance(msg, Exception):
                     raise msg
