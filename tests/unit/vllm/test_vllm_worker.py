@@ -25,7 +25,7 @@ from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker.node import NodeOptions
 from dualpath.worker.service import WorkerServer
 from dualpath.worker.vllm import VllmServicer, VllmWorker, vllm_sampling
-from dualpath.worker.wire import BadField, prefill_from_pb
+from dualpath.worker.wire import BadField, prefill_from_pb, prefill_to_pb
 
 BT = 16
 
@@ -84,6 +84,31 @@ def test_a_prefill_through_the_store_needs_no_agent_but_is_checked(tmp_path) -> 
     msg.hit_tokens = BT + 1
     with pytest.raises(BadField, match="hit_tokens"):
         prefill_from_pb(msg, model, via_store=True)
+
+    # engine vllm over NIXL: the decode vLLM's cache, every field checked and named
+    msg.hit_tokens = BT
+    target = wpb.VllmKvTarget(
+        layer_addresses=[1 << 20, 2 << 20], block_bytes=512, block_ids=[3, 4],
+        deadline_unix=1e9, xfer_id="r1/x",
+    )  # fmt: skip
+    msg.decode_vllm.CopyFrom(target)
+    with pytest.raises(BadField, match="decode_agent"):
+        prefill_from_pb(msg, model, via_store=True)
+    msg.decode_agent, msg.decode_agent_metadata = "decode-0-vllm-1", b"meta"
+    order = prefill_from_pb(msg, model, via_store=True)
+    assert order.decode_vllm.block_ids == (3, 4) and order.decode_agent == "decode-0-vllm-1"
+    assert prefill_from_pb(prefill_to_pb(order), model, via_store=True) == order
+    for field, bad in (("block_ids", {"block_ids": [-1]}), ("xfer_id", {"xfer_id": ""}),
+                       ("deadline_unix", {"deadline_unix": 0.0}),
+                       ("layer_addresses", {"layer_addresses": [0]})):  # fmt: skip
+        msg.decode_vllm.CopyFrom(target)
+        for k, v in bad.items():
+            if isinstance(v, list):
+                getattr(msg.decode_vllm, k)[:] = v
+            else:
+                setattr(msg.decode_vllm, k, v)
+        with pytest.raises(BadField, match=f"decode_vllm.{field}"):
+            prefill_from_pb(msg, model, via_store=True)
 
 
 def test_the_connector_gets_the_workers_own_credentials(tmp_path) -> None:
