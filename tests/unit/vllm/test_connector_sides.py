@@ -346,3 +346,28 @@ def test_a_receiver_past_its_deadline_is_received_with_its_blocks_to_recompute(
     assert decode.take_load_errors() == {3, 4, 5}  # no hit of its own: all recomputed
     assert decode.finished_receiving() == set()  # reported once
     decode.shutdown()
+
+
+def test_a_failed_hit_read_recomputes_the_hit_and_sends_nothing_that_step(tmp_path: Path) -> None:
+    """The decode's agent cannot be reached (here: metadata NIXL refuses): the prefill's hit
+    blocks are load errors (vLLM recomputes them) and the step sends no KV computed over a
+    hit it does not hold; the recompute's step may still send (the transfer is not spent)."""
+    cfg = _cfg(tmp_path)
+    prefill, pcaches = _named_worker(tmp_path, cfg, "prefill-0")
+    m = cfg.spec.model
+    target = KvTarget(
+        "decode-0-vllm-1", b"not NIXL metadata", tuple(range(1 << 20, (m.layers + 1) << 20, 1 << 20)),
+        prefill.agent.block_bytes, (1, 2, 3, 4),
+    )  # fmt: skip
+    sched = SchedulerSide(VB, SB, lambda t, salt: [])
+    tokens = list(range(400))
+    route = Route(256, "decode", xfer_id="t/2", deadline_unix=time.time() + 60, send_to=target)
+    r = _request("rp", tokens, route)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, [5, 6, 7, 8], 256)
+    plan = sched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    assert plan.sends
+    _forward(prefill, pcaches, plan)
+    assert prefill.take_load_errors() == {5, 6}
+    assert "t/2" not in prefill._sent
+    prefill.shutdown()

@@ -79,6 +79,7 @@ class _Load:
     loaded_until: int  # tokens loaded in every layer so far (shrinks on a failure)
     failed: bool = False
     reads: dict[int, object] = field(default_factory=dict)  # layer -> NIXL READ handle
+    xfer_deadline_unix: float = 0.0  # the NIXL reads' (`_xfer_deadline`)
 
 
 @dataclass
@@ -137,6 +138,7 @@ class WorkerSide:
         self._send_plan: StepPlan | None = None
         self._sent: OrderedDict[str, None] = OrderedDict()
         self._poller: threading.Thread | None = None
+        self._failed_loads: set[str] = set()  # requests whose load failed this step: no send
         self._arrived: list[bytes] = []  # notifications the poller took, for the next step
         self._closing = False
         self.store = None
@@ -248,6 +250,7 @@ class WorkerSide:
         for r in plan.recvs:
             self._start_recv(r)
         self._loads = []
+        self._failed_loads = set()
         for p in plan.loads:
             if p.source is not None:
                 self._loads.append(self._start_read(p))
@@ -257,11 +260,20 @@ class WorkerSide:
             self._loads.append(_Load(p, handle, slots, p.end - p.start))
             metrics.LOADS.labels(path=p.path).inc()
 
+    def _xfer_deadline(self, plan_deadline_unix: float) -> float:
+        """A transfer's wait: a dead peer costs at most workers.transferDeadlineSeconds of the
+        forward thread, and nothing moves after the receiver's deadline less the margin."""
+        return min(
+            plan_deadline_unix - SEND_MARGIN_S,
+            time.time() + self.cfg.spec.workers.transfer_deadline_seconds,
+        )
+
     def _start_read(self, p: LoadPlan) -> _Load:
         """Path D on a prefill: post every layer's READ of the hit from the decode's blocks."""
         ld = _Load(p, None, torch.empty(0, dtype=torch.int64), p.end - p.start)
+        ld.xfer_deadline_unix = self._xfer_deadline(p.deadline_unix)
         try:
-            if time.time() > p.deadline_unix - SEND_MARGIN_S:
+            if time.time() > ld.xfer_deadline_unix:
                 raise TransferError("its deadline passed before the read started")
             for layer in range(len(self._caches)):
                 ld.reads[layer] = self.agent.post(
@@ -293,7 +305,7 @@ class WorkerSide:
                 try:
                     self.agent.wait(
                         ld.reads.pop(layer),
-                        ld.plan.deadline_unix - SEND_MARGIN_S,
+                        ld.xfer_deadline_unix,
                         f"READ of layer {layer} from {ld.plan.source.agent}",
                     )
                 except TransferError as err:
@@ -321,6 +333,7 @@ class WorkerSide:
         ld.loaded_until = tokens // vb * vb  # p.start is a vLLM block boundary
         bad = blocks.failed_vllm_blocks(p.block_table, p.start + ld.loaded_until, p.end, vb)
         self._load_errors |= bad
+        self._failed_loads.add(p.req_id)
         if not ld.failed:
             ld.failed = True
             metrics.LOAD_FAILURES.labels(path=p.path).inc()
@@ -508,7 +521,7 @@ class WorkerSide:
             self._send_layer(snd, layer)
 
     def _load_failed(self, req_id: str) -> bool:
-        return any(ld.failed for ld in self._loads if ld.plan.req_id == req_id)
+        return req_id in self._failed_loads
 
     def _send_layer(self, snd: _Send, layer: int) -> None:
         p = snd.plan
@@ -542,6 +555,7 @@ class WorkerSide:
         layers = len(self._caches)
         for snd in self._sends:
             p = snd.plan
+            deadline = self._xfer_deadline(p.deadline_unix)
             if snd.failed or self._load_failed(p.req_id):
                 for h in snd.writes:  # vLLM recomputes; the recompute's step sends it all
                     self.agent.release(h)
@@ -550,11 +564,7 @@ class WorkerSide:
                 if len(snd.writes) != layers:
                     raise TransferError(f"{len(snd.writes)} of {layers} layers posted")
                 while snd.writes:
-                    self.agent.wait(
-                        snd.writes.pop(0),
-                        p.deadline_unix - SEND_MARGIN_S,
-                        f"WRITE to {p.target.agent}",
-                    )
+                    self.agent.wait(snd.writes.pop(0), deadline, f"WRITE to {p.target.agent}")
                 if time.time() > p.deadline_unix - SEND_MARGIN_S:
                     raise TransferError("its deadline passed")
                 self.agent.notify(p.target, p.xfer_id.encode())
