@@ -136,7 +136,7 @@ def calibrate_snic(
         return times
 
     with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
-        times = asyncio.run(timed())
+        times = run_interruptible(timed())
     prefill_s = statistics.median(times)
     gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
     cal = SnicCalibration(hit, new, hit_bytes, prefill_s, len(times), read_to_compute, gbps)
