@@ -38,7 +38,7 @@ import httpx
 from dualpath import config
 from dualpath.local.interrupt import run_interruptible
 from dualpath.local.openai_client import stream_completion
-from dualpath.trace import Trajectory
+from dualpath.trace import TraceSpec, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -722,6 +722,20 @@ def bench_config(
             "pass --snic-gbps"
         )
     return cfg, calibration
+
+
+def trace_spec(args: argparse.Namespace) -> TraceSpec:
+    """The synthetic trace of the trace arguments (offline; online adds its think time)."""
+    return TraceSpec(
+        agents=args.agents,
+        max_context_tokens=args.context,
+        max_turns=args.turns,
+        mean_append_tokens=args.append_tokens,
+        mean_gen_tokens=args.gen_tokens,
+        first_tokens=args.first_tokens,
+        seed=args.seed,
+        length_sigma=0.3,
+    )
 
 
 # --agents and --turns when not given: offline (one replay); --online has its own (ONLINE_SIZE)

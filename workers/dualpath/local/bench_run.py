@@ -34,6 +34,7 @@ from dualpath.local.bench import (
     signal_name,
     summarize,
     table,
+    trace_spec,
 )
 from dualpath.local.interrupt import Interrupted
 from dualpath.trace import TraceSpec, Trajectory, generate
@@ -58,19 +59,6 @@ def _bytes_by_path(workers: dict[str, str]) -> dict[str, int]:
         role = name.split("-", 1)[0]
         out[role] += scrape_read_bytes(health.rsplit("/", 1)[0] + "/metrics")
     return out
-
-
-def trace_spec(args: argparse.Namespace) -> TraceSpec:
-    return TraceSpec(
-        agents=args.agents,
-        max_context_tokens=args.context,
-        max_turns=args.turns,
-        mean_append_tokens=args.append_tokens,
-        mean_gen_tokens=args.gen_tokens,
-        first_tokens=args.first_tokens,
-        seed=args.seed,
-        length_sigma=0.3,
-    )
 
 
 class PolicyInterrupted(Interrupted):
