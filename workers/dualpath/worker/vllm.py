@@ -19,6 +19,10 @@ the identity rules, the field bounds) with `VllmServicer`, which converts each c
 the scheduler with this worker's own credentials (`grpc_auth.auth_files`).
 A vLLM that exits takes the worker with it (exit code 1), so the supervisor (or the kubelet)
 restarts both.
+Its `/metrics` is the node's: vLLM's processes write prometheus_client multiprocess files into
+a directory of this worker's (PROMETHEUS_MULTIPROC_DIR), which `registry` adds to the worker's
+own, so the connector's reads (`dualpath_kv_read_bytes_total`, `dualpath_vllm_*`) and vLLM's
+`vllm:*` metrics are scraped where every worker's are.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import AsyncIterator
 
@@ -43,6 +49,7 @@ from dualpath.integrations.vllm import metrics
 from dualpath.integrations.vllm.blocks import usable_hit_tokens
 from dualpath.integrations.vllm.plan import Route
 from dualpath.integrations.vllm.server import VLLM_BLOCK_TOKENS, vllm_command
+from dualpath.observability import WithChildMetrics
 from dualpath.sampling import SamplingParams
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
@@ -187,6 +194,10 @@ class VllmWorker:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._watch: asyncio.Task | None = None
         self.exited = asyncio.Event()  # the vLLM child exited: the worker must exit too
+        # vLLM's processes write their metrics here (fresh per worker process: a restarted
+        # vLLM must not add its predecessor's counts); `/metrics` serves `registry`
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"dualpath-vllm-metrics-{self.node_id}-")
+        self.registry = WithChildMetrics(self.metrics_dir)
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -207,7 +218,9 @@ class VllmWorker:
         )
         log.info("%s: starting vLLM on 127.0.0.1:%d", self.node_id, vport)
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd.argv, env={**os.environ, **cmd.env}, preexec_fn=_die_with_parent
+            *cmd.argv,
+            env={**os.environ, **cmd.env, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir},
+            preexec_fn=_die_with_parent,
         )
         self._watch = asyncio.create_task(self._watch_child())
         self.http = httpx.AsyncClient(
@@ -427,4 +440,5 @@ class VllmWorker:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
         log.info("worker %s (vLLM) stopped", self.node_id)
