@@ -10,6 +10,10 @@ operator) expose the same endpoints as the FastAPI frontend. It is owned by the 
   `spec.workers.startupSeconds`), and 200 while it serves or drains, as long as its event loop
   answers.
 - `/readyz` (and `/health`): readiness, the `health` callable: may it take requests now.
+
+A process whose work runs in child processes (the worker on engine vllm: vLLM's server, engine
+core and worker, where the DualPath connector reads and writes KV) serves their metrics too:
+`WithChildMetrics` adds what the children write as prometheus_client multiprocess files.
 """
 
 from __future__ import annotations
@@ -48,13 +52,49 @@ def loop_liveness(loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> Ch
     return live
 
 
+class WithChildMetrics:
+    """This process's registry plus the metrics its child processes write into `path` (they
+    run with PROMETHEUS_MULTIPROC_DIR=path): one family per name, samples of equal name and
+    labels summed, so `/metrics` shows the node's totals (a family both sides register, such
+    as `dualpath_kv_read_bytes`, is counted once, not exposed twice)."""
+
+    def __init__(self, path: str, registry: CollectorRegistry = REGISTRY) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self._registry = registry
+        self._children = MultiProcessCollector(None, path=path)  # registered nowhere
+
+    def collect(self):  # noqa: ANN201 (prometheus_client's Collector API)
+        from prometheus_client import Metric
+
+        families: dict[str, Metric] = {}
+        values: dict[str, dict[tuple, float]] = {}
+        samples: dict[str, dict[tuple, object]] = {}
+        for fam in [*self._registry.collect(), *self._children.collect()]:
+            if fam.name not in families:
+                families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                values[fam.name], samples[fam.name] = {}, {}
+            for s in fam.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if s.name.endswith("_created"):  # a timestamp: the first one stands
+                    samples[fam.name].setdefault(key, s)
+                    continue
+                values[fam.name][key] = values[fam.name].get(key, 0.0) + s.value
+                samples[fam.name].setdefault(key, s)
+        for name, fam in families.items():
+            for key, s in samples[name].items():
+                value = values[name].get(key, s.value)
+                fam.add_sample(s.name, s.labels, value, s.timestamp, s.exemplar)
+            yield fam
+
+
 class ObservabilityServer:
     def __init__(
         self,
         port: int,
         host: str = "0.0.0.0",
         health: Check | None = None,
-        registry: CollectorRegistry = REGISTRY,
+        registry: CollectorRegistry | WithChildMetrics = REGISTRY,
         live: Check | None = None,
     ) -> None:
         health_fn = health or (lambda: (True, "ok"))

@@ -6,8 +6,8 @@ model (written as a checkpoint by the cluster), the round-robin policy so consec
 alternate path P and path D. Every answer is greedy and compared with vLLM's own recompute of
 the same prompt (a `cache_salt` no block was written under: no hit, the connector loads
 nothing). The prompt's KV moves between the two vLLM instances over NIXL (docs/vllm.md): the
-connector's counters, which live in vLLM's worker process, are read from each vLLM's own
-`/metrics` (the adapter runs it with a prometheus multiprocess directory).
+connector's counters, which live in vLLM's worker process, are read from the worker's
+`/metrics` (which merges its vLLM's processes' metrics).
 """
 
 from __future__ import annotations
@@ -115,9 +115,10 @@ def _vllm_url(cl, node: str) -> str:
 
 
 def _counters(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Samples of counter `name` on a /metrics page, by their sorted labels."""
+    """Samples of counter `name` on a worker's /metrics (`url`: its readiness URL), by their
+    sorted labels."""
     out: dict[tuple[tuple[str, str], ...], float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url.replace("/readyz", "/metrics"), timeout=10).text.splitlines():
         if line.startswith(name + "{"):
             labels, value = line[len(name) :].rsplit(" ", 1)
             key = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels)))
@@ -145,7 +146,7 @@ def test_turns_hit_the_store_on_both_paths_with_recompute_answers(cluster) -> No
     assert turned.get('{path="prefill"}', 0) > 0 and turned.get('{path="decode"}', 0) > 0
     # the KV moved between the instances over NIXL on both paths: path D's hit streamed from
     # the decode's cache to the prefill, and the prefill's blocks written into the decode's
-    prefill, decode = _vllm_url(cl, "prefill-0"), _vllm_url(cl, "decode-0")
+    prefill, decode = cl.endpoints.workers["prefill-0"], cl.endpoints.workers["decode-0"]
     moved = _counters(prefill, "dualpath_vllm_transfer_bytes_total")
     assert _count(moved, path="prefill", direction="prefill_to_decode") > 0, moved
     assert _count(moved, path="decode", direction="prefill_to_decode") > 0, moved
@@ -165,16 +166,16 @@ def test_a_transfer_that_never_comes_ends_in_a_recompute_with_the_same_answer(cl
     """A receiver whose prefill never sends (here: never called) waits until its deadline,
     then vLLM recomputes the prompt: the same greedy tokens, counted as a failed receive."""
     cl, _ = cluster
-    decode = _vllm_url(cl, "decode-0")
+    vllm, decode = _vllm_url(cl, "decode-0"), cl.endpoints.workers["decode-0"]
     prompt = [100 + i % 300 for i in range(300)]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "return_token_ids": True}  # fmt: skip
     before = _count(_counters(decode, "dualpath_vllm_transfer_failures_total"), stage="receive")
     with httpx.Client(timeout=300) as c:
-        ref = c.post(decode + "/v1/completions", json=body)
+        ref = c.post(vllm + "/v1/completions", json=body)
         route = {"dualpath": {"receive": True, "xfer_id": f"never/{uuid.uuid4().hex}",
                               "deadline_unix": time.time() + 3, "request_id": "never"}}  # fmt: skip
-        got = c.post(decode + "/v1/completions", json={**body, "kv_transfer_params": route})
+        got = c.post(vllm + "/v1/completions", json={**body, "kv_transfer_params": route})
     assert ref.status_code == 200 and got.status_code == 200, got.text
     tokens = [json.loads(r.text)["choices"][0]["token_ids"] for r in (ref, got)]
     assert tokens[0] == tokens[1] and tokens[0]

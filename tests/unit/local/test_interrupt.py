@@ -68,3 +68,39 @@ def test_outside_an_interruptible_block_it_is_plain_asyncio_run():
         return 42
 
     assert run_interruptible(answer()) == 42
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_dualpath_faults_stops_its_rows_by_cancellation_on_a_stop_signal(
+    sig, monkeypatch, tmp_path
+):
+    import argparse
+
+    from dualpath.local import faults
+
+    stopped: list[str] = []
+
+    async def rows_then_signal(rows, out, quick, deadline_s):
+        try:
+            os.kill(os.getpid(), sig)
+            await asyncio.sleep(10)  # a row under way: cancelled by the signal
+        finally:  # where run_rows stops its cluster
+            stopped.append(",".join(rows))
+
+    monkeypatch.setattr(faults, "run_rows", rows_then_signal)
+    args = argparse.Namespace(
+        rows="decode-kill", quick=False, json=True, out=str(tmp_path), deadline=30.0
+    )
+
+    def not_routed(signum, _frame):  # the command did not take the signal: fail, not die
+        raise RuntimeError(f"{signal.Signals(signum).name} reached the test's own handler")
+
+    before = {s: signal.signal(s, not_routed) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(Interrupted) as stop:  # `dualpath.cli.main` exits 128 + the signal
+            faults.run(args)
+        assert signal.getsignal(sig) is not_routed  # the command's own handlers are gone
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert stop.value.signum == sig and stopped == ["decode-kill"]

@@ -9,15 +9,8 @@ from dualpath import trace
 from dualpath.cli import main
 from dualpath.config import ModelSpec, load
 from dualpath.sim.model import Hardware
-from dualpath.sim.plan import (
-    Planner,
-    Point,
-    Slo,
-    capacity_bound,
-    interval,
-    ratio_interval,
-    ties,
-)
+from dualpath.sim.plan import Planner, Slo, capacity_bound
+from dualpath.sim.points import Point, interval, ratio_interval, ties
 
 
 def _sessions() -> list[trace.Trajectory]:

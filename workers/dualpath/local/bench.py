@@ -12,34 +12,33 @@ to what the calibrated predictions fit in it, each policy's phase has a deadline
 `cut` says what was left out (`local/budget.py`). The KV stores are scratch data in a temporary
 directory (`--kv-dir`), removed at the end unless `--keep`. SIGINT or SIGTERM stops every
 cluster process and prints the figures measured so far (`local/interrupt.py`).
+
+This module holds the pieces (the arguments, the SNIC calibration, the replay and its figures,
+the seeded store, the configs, the table and plot) that the run (`bench_run.py`: each policy in
+turn, the budget's cuts, the result document) and the online sweep (`online.py`) share.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
 import random
 import shutil
 import sys
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from dualpath import config
-from dualpath.local import budget
-from dualpath.local.interrupt import Interrupted, run_interruptible
+from dualpath.local.interrupt import run_interruptible
 from dualpath.local.openai_client import stream_completion
-from dualpath.trace import TraceSpec, Trajectory, generate
-from dualpath.units import gbps_to_bytes_per_s
+from dualpath.trace import TraceSpec, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,7 @@ def calibrate_snic(
         return times
 
     with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
-        times = asyncio.run(timed())
+        times = run_interruptible(timed())
     prefill_s = statistics.median(times)
     gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
     cal = SnicCalibration(hit, new, hit_bytes, prefill_s, len(times), read_to_compute, gbps)
@@ -511,26 +510,6 @@ def summarize(
     )
 
 
-def scrape_read_bytes(metrics_url: str) -> int:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:  # noqa: S310 (local URL)
-        text = r.read().decode()
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "dualpath_kv_read_bytes":
-            total += sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    return int(total)
-
-
-def _bytes_by_path(workers: dict[str, str]) -> dict[str, int]:
-    out = {"prefill": 0, "decode": 0}
-    for name, health in workers.items():
-        role = name.split("-", 1)[0]
-        out[role] += scrape_read_bytes(health.rsplit("/", 1)[0] + "/metrics")
-    return out
-
-
 def replay_on(
     frontend: str,
     cfg: config.ClusterConfig,
@@ -652,85 +631,6 @@ def policy_config(
     return pcfg
 
 
-class PolicyInterrupted(Interrupted):
-    """A stop signal during a policy's run, with the figures of the turns done so far."""
-
-    def __init__(self, signum: int, partial: PolicyResult | None, turns: list[TurnResult]):
-        super().__init__(signum)
-        self.partial, self.turns = partial, turns
-
-
-def run_policy(
-    cfg: config.ClusterConfig,
-    policy: str,
-    trajectories: list[Trajectory],
-    args: argparse.Namespace,
-    sink,
-    seed: Path | None = None,
-    phase: str = "",
-    deadline_s: float | None = None,
-    answered: dict[tuple[str, int], list[int]] | None = None,
-) -> tuple[PolicyResult, list[TurnResult]]:
-    """One policy's cluster replays `trajectories`: the figures from its first measured turn
-    (after every agent's warm-up) to its last ended one. At `deadline_s` (time.monotonic()) no
-    turn starts any more (`PolicyResult.cut`); on SIGINT/SIGTERM raises `PolicyInterrupted`
-    with the figures so far. The warm-up turns in `answered` are not sent again."""
-    from dualpath.local.cluster import LocalCluster
-
-    pcfg = policy_config(cfg, policy, seed)
-    run_dir = Path(args.out) / policy
-    nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
-    caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
-    results: list[TurnResult] = []
-    answered = answered or {}
-    total = sum(
-        1 for t in trajectories for i in range(len(t.turns)) if (t.agent_id, i) not in answered
-    )
-    with LocalCluster(pcfg, run_dir, sink=sink, log_level="WARNING") as cluster:
-        prog = Progress(total, policy, phase=phase, deadline_s=deadline_s)
-        mark: dict[str, Any] = {}
-
-        def on_warm() -> None:  # the steady state starts: counters and clock from here
-            mark["before"] = _bytes_by_path(cluster.endpoints.workers)
-            mark["t0"] = time.perf_counter()
-
-        def figures(cut: str) -> PolicyResult | None:
-            if "t0" not in mark:
-                return None  # still warming up: nothing measured
-            ends = [r.end_s for r in results if r.ok and not r.warmup]
-            elapsed = (max(ends) if ends else time.perf_counter()) - mark["t0"]
-            after = _bytes_by_path(cluster.endpoints.workers)
-            read = {k: after[k] - mark["before"][k] for k in after}
-            res = summarize(policy, results, elapsed, read, caps)
-            res.cut = cut
-            return res
-
-        try:
-            replay_on(
-                cluster.endpoints.frontend,
-                pcfg,
-                trajectories,
-                args,
-                prog,
-                on_warm=on_warm,
-                results=results,
-                deadline_s=deadline_s,
-                answered=answered,
-            )
-        except Interrupted as stop:
-            try:
-                partial = figures("interrupted")
-            except OSError:  # a worker already gone: no byte counts
-                partial = None
-            raise PolicyInterrupted(stop.signum, partial, list(results)) from None
-        late = deadline_s is not None and time.monotonic() >= deadline_s
-        res = figures("deadline" if late and len(results) < total else "")
-        if res is None:  # the deadline fell in the warm-up: nothing was measured
-            res = summarize(policy, [], 0.0, {"prefill": 0, "decode": 0}, caps)
-            res.cut = "deadline"
-    return res, results
-
-
 def table(results: list[PolicyResult], ratio: float | None) -> str:
     head = (
         f"{'policy':<13}{'tok/s':>9}{'JCT s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
@@ -825,6 +725,7 @@ def bench_config(
 
 
 def trace_spec(args: argparse.Namespace) -> TraceSpec:
+    """The synthetic trace of the trace arguments (offline; online adds its think time)."""
     return TraceSpec(
         agents=args.agents,
         max_context_tokens=args.context,
@@ -856,254 +757,3 @@ def remove_scratch(kv_dir: Path, made: bool, keep: bool) -> None:
         shutil.rmtree(d, ignore_errors=True)
     if kv_dir.is_dir() and not any(kv_dir.iterdir()):
         kv_dir.rmdir()
-
-
-PHASES = ("calibrate", "warm-up")  # then one phase per policy
-
-
-def run(args: argparse.Namespace) -> int:
-    """The offline replay (`bench_cli.run` picks it or the online sweep, makes the KV scratch
-    directory and stops on signals)."""
-    for name, value in OFFLINE_SIZE.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
-    t_start = time.monotonic()
-    end_s = None if args.budget_s is None else t_start + args.budget_s
-    spec = trace_spec(args)
-    trajectories = generate(spec)
-    if args.trace:
-        from dualpath.trace import load_jsonl, scale_to_context
-
-        trajectories = scale_to_context(
-            load_jsonl(args.trace), args.context, args.agents, args.turns
-        )
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    phases = [*PHASES, *policies]
-
-    def phase(name: str) -> str:
-        return f"{phases.index(name) + 1}/{len(phases)} {name}"
-
-    trace_turns = sum(len(t.turns) for t in trajectories)
-    bound = f"at most about {args.budget_s:.0f} s" if end_s else "unbounded (no --budget-s)"
-    print(
-        f"bench local: {len(trajectories)} agents, {trace_turns} turns; phases: "
-        f"{', '.join(phases)}; {bound}; KV stores in {args.kv_dir} "
-        f"({'kept' if args.keep else 'removed at the end; --keep keeps them'})",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
-        print(f"[{phase('calibrate')}] timing a turn's prefill here ...", file=sys.stderr)
-        cfg, calibration = bench_config(args, trajectories)
-        if calibration is None and end_s is not None:  # a fixed cap: time the prefill to plan
-            calibration = calibrate_snic(
-                base_config(args), trajectories, args.warmup_turns, args.read_to_compute
-            )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    log_path = Path(args.log_file or Path(args.out) / "cluster.log")
-    out: list[PolicyResult] = []
-    answers: dict[str, dict[tuple[str, int], list[int]]] = {}
-    cut: dict[str, Any] = {"budget_s": args.budget_s, "trace_turns": trace_turns}
-    interrupted: PolicyInterrupted | Interrupted | None = None
-
-    def doc_now() -> dict[str, Any]:
-        return result_doc(args, cfg, calibration, spec, out, answers, cut, t_start, interrupted)
-
-    try:
-        with log_path.open("w") as sink:
-            seed, answered = None, None
-            start_s = budget.DEFAULT_START_S  # a cluster's start, until one is timed
-            if args.warmup_turns:
-                warm_end = None
-                if end_s is not None:  # past half the budget, the policies' turns come first
-                    warm_end = t_start + budget.WARMUP_SHARE * args.budget_s
-                seed_run = seed_storage(
-                    cfg, [trajectories], args, sink, phase("warm-up"), deadline_s=warm_end
-                )
-                seed, answered = seed_run.path, seed_run.answers
-                left = [t for t in trajectories if t.agent_id not in seed_run.warmed]
-                if left:
-                    cut["agents_not_warmed"] = [t.agent_id for t in left]
-                    trajectories = [t for t in trajectories if t.agent_id in seed_run.warmed]
-                start_s = seed_run.start_s
-            if end_s is not None and calibration is not None:
-                trajectories = fit_budget(
-                    args, cfg, calibration, trajectories, policies, start_s, end_s, cut
-                )
-            predicted = cut.get("predicted_phase_s", {})
-            floor_s = 0.0  # after a cut phase: the next ones get at least half its time
-            for i, policy in enumerate(policies):
-                deadline = None
-                t_phase = time.monotonic()
-                if end_s is not None and predicted:
-                    rest = {p: predicted[p] for p in policies[i:]}
-                    deadline = budget.phase_deadline_s(t_phase, end_s, rest, policy)
-                    # never less than its own prediction (a plan over the budget still runs
-                    # its smallest replay) nor than the floor a cut left it
-                    deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
-                res, turns = run_policy(
-                    cfg, policy, trajectories, args, sink, seed, phase(policy), deadline, answered
-                )
-                out.append(res)
-                answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
-                if res.cut:  # the next policies replay what this one did, no more
-                    cut.setdefault("deadline", {})[policy] = len(turns)
-                    trajectories = completed_only(trajectories, turns)
-                    # the same turns, in (a fraction of) the time this one had: a fair chance
-                    floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
-    except PolicyInterrupted as stop:
-        interrupted = stop
-        if stop.partial is not None:
-            out.append(stop.partial)
-            answers[stop.partial.policy] = {(t.agent, t.turn): t.generated for t in stop.turns}
-    except Interrupted as stop:
-        interrupted = stop
-    doc = doc_now()
-    (Path(args.out) / "result.json").write_text(json.dumps(doc, indent=2))
-    if args.plot and out:
-        plot(out, args.plot)
-    if args.json:
-        print(json.dumps(doc))
-    else:  # for a person: the table, and where the details went
-        if interrupted is not None:
-            print(
-                f"interrupted ({signal_name(interrupted.signum)}) after "
-                f"{time.monotonic() - t_start:.0f} s: the figures measured so far"
-                + ("" if out else " (none: no policy had started its measured turns)")
-            )
-        if out:
-            print(table(out, doc["ratio"]))
-        print(
-            f"same greedy answers across policies: {doc['same_greedy_answers']} "
-            f"({doc['compared_turns']} turns compared)"
-        )
-        if cut.get("left_out_turns") or cut.get("deadline") or cut.get("agents_not_warmed"):
-            print(f"cut to fit --budget-s {args.budget_s:.0f}: {describe_cut(cut)}")
-        print(
-            f"JSON: {Path(args.out) / 'result.json'}"
-            + (f", plot: {args.plot}" if args.plot and out else "")
-            + f"; {time.monotonic() - t_start:.0f} s in all"
-        )
-    if interrupted is not None:
-        interrupted.reported = True
-        raise interrupted  # the caller stops with 128 + the signal
-    return 0 if all(r.failed == 0 for r in out) else 1
-
-
-def fit_budget(
-    args: argparse.Namespace,
-    cfg: config.ClusterConfig,
-    calibration: SnicCalibration,
-    trajectories: list[Trajectory],
-    policies: list[str],
-    start_s: float,
-    end_s: float,
-    cut: dict[str, Any],
-) -> list[Trajectory]:
-    """The agents' first turns that every policy's predicted phase fits in the time left."""
-    read_s = calibration.hit_bytes / gbps_to_bytes_per_s(cfg.spec.storage.snic_gbps)
-    per_turn = {
-        p: 1
-        / budget.capacity(
-            p,
-            cfg.spec.prefill.replicas,
-            cfg.spec.decode.replicas,
-            read_s,
-            calibration.prefill_s,
-            1,
-        ).turns_per_s
-        for p in policies
-    }
-    plan = budget.plan_turns(
-        [len(t.turns) for t in trajectories],
-        per_turn,
-        start_s,
-        end_s - time.monotonic(),
-        args.warmup_turns,
-    )
-    cut.update(
-        turns_per_agent=plan.turns,
-        replayed_turns=plan.replayed_turns,
-        left_out_turns=cut["trace_turns"] - plan.replayed_turns,
-        predicted_phase_s={p: round(s, 1) for p, s in plan.phase_s.items()},
-        plan_fits=plan.fits,
-    )
-    print(
-        f"plan: {len(trajectories)} agents x {plan.turns} turns ({plan.replayed_turns} of "
-        f"{cut['trace_turns']} turns) per policy, about "
-        + ", ".join(f"{p} {s:.0f} s" for p, s in plan.phase_s.items())
-        + ("" if plan.fits else " (over the budget even so: deadlines will cut)"),
-        file=sys.stderr,
-        flush=True,
-    )
-    return [Trajectory(t.agent_id, t.turns[: plan.turns], t.first_tokens) for t in trajectories]
-
-
-def completed_only(trajectories: list[Trajectory], turns: list[TurnResult]) -> list[Trajectory]:
-    """Each agent's turns up to the last one that ended (what a policy cut at its deadline ran)."""
-    last: dict[str, int] = {}
-    for r in turns:
-        last[r.agent] = max(last.get(r.agent, -1), r.turn)
-    return [
-        Trajectory(t.agent_id, t.turns[: last[t.agent_id] + 1], t.first_tokens)
-        for t in trajectories
-        if t.agent_id in last
-    ]
-
-
-def describe_cut(cut: dict[str, Any]) -> str:
-    parts = []
-    if cut.get("left_out_turns"):
-        parts.append(
-            f"{cut['replayed_turns']} of {cut['trace_turns']} turns replayed "
-            f"({cut['turns_per_agent']} per agent)"
-        )
-    if cut.get("agents_not_warmed"):
-        parts.append(f"{len(cut['agents_not_warmed'])} agents not warmed up in time, left out")
-    for policy, n in cut.get("deadline", {}).items():
-        parts.append(f"{policy} reached its deadline after {n} turns (the rest replay those)")
-    return "; ".join(parts)
-
-
-def result_doc(
-    args: argparse.Namespace,
-    cfg: config.ClusterConfig,
-    calibration: SnicCalibration | None,
-    spec: TraceSpec,
-    out: list[PolicyResult],
-    answers: dict[str, dict[tuple[str, int], list[int]]],
-    cut: dict[str, Any],
-    t_start: float,
-    interrupted: Interrupted | None,
-) -> dict[str, Any]:
-    by = {r.policy: r for r in out}
-    ratio = None
-    if "dualpath" in by and "prefill-read" in by and by["prefill-read"].tokens_per_s:
-        ratio = round(by["dualpath"].tokens_per_s / by["prefill-read"].tokens_per_s, 3)
-    keys = set.intersection(*(set(a) for a in answers.values())) if answers else set()
-    same = all(len({tuple(a[k]) for a in answers.values()}) == 1 for k in keys)
-    return {
-        "bench": "local",
-        "ratio": ratio,
-        "same_greedy_answers": same,
-        "compared_turns": len(keys),
-        "interrupted": None if interrupted is None else signal_name(interrupted.signum),
-        "cut": cut,
-        "elapsed_s": round(time.monotonic() - t_start, 1),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-        "setup": {
-            "prefill": cfg.spec.prefill.replicas,
-            "decode": cfg.spec.decode.replicas,
-            "snic_gbps": cfg.spec.storage.snic_gbps,
-            "snic_calibration": asdict(calibration) if calibration else None,
-            "model": cfg.spec.model.name,
-            "trace": asdict(spec)
-            if not args.trace
-            else {"file": args.trace, "scaled_to": args.context},
-        },
-        "policies": {r.policy: asdict(r) for r in out},
-    }

@@ -1,4 +1,4 @@
-"""`dualpath bench local`: the offline replay (`bench.py`) or, with `--online`, the rate sweep
+"""`dualpath bench local`: the offline replay (`bench_run.py`) or, with `--online`, the rate sweep
 (`online.py`, which builds on the replay): the one module above both, so neither imports the
 other's caller. It owns what both modes share around a run: the KV scratch directory (a new
 temporary one unless `--kv-dir`, removed at the end unless `--keep`) and the stop signals
@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dualpath.local import bench, online
+from dualpath.local import bench, bench_run, online
 from dualpath.local.interrupt import Interrupted, interruptible
 
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         args.kv_dir = tempfile.mkdtemp(prefix="dualpath-kv-")
     try:
         with interruptible():
-            return online.run(args) if args.online else bench.run(args)
+            return online.run(args) if args.online else bench_run.run(args)
     except Interrupted as stop:
         if not stop.reported:
             print(f"interrupted ({bench.signal_name(stop.signum)})", file=sys.stderr)

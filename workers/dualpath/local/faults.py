@@ -52,6 +52,7 @@ import httpx
 import yaml
 
 from dualpath import config
+from dualpath.local.interrupt import interruptible, run_interruptible
 from dualpath.local.openai_client import stream_completion
 from dualpath.local.supervisor import process_tree
 
@@ -1135,7 +1136,10 @@ def run(args: argparse.Namespace) -> int:
     if "sigint" in rows and rows[-1] != "sigint":
         print("sigint stops the cluster: it must be the last row", file=sys.stderr)
         return 2
-    done = asyncio.run(run_rows(rows, Path(args.out), args.quick, args.deadline))
+    # SIGINT/SIGTERM: the rows' tasks unwind by cancellation (the cluster stopped on the way
+    # out), then `Interrupted` exits with 128 + the signal (`dualpath.cli.main`)
+    with interruptible():
+        done = run_interruptible(run_rows(rows, Path(args.out), args.quick, args.deadline))
     if args.json:
         print(json.dumps([asdict(r) for r in done], indent=2))
     else:

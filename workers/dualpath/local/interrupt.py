@@ -1,7 +1,8 @@
 """SIGINT and SIGTERM for the local commands that run clusters (`dualpath demo`, `dualpath bench
-local`): the first raises `Interrupted` in the main thread, so every `with LocalCluster` block
-on the way out stops its processes (with a short grace: nothing is waited for) and the command
-reports what it measured so far; a second one hurries every stop under way (SIGKILL now).
+local`, `dualpath faults`): the first raises `Interrupted` in the main thread, so every `with
+LocalCluster` block on the way out stops its processes (with a short grace: nothing is waited
+for) and the command reports what it measured so far; a second one hurries every stop under way
+(SIGKILL now).
 While an event loop runs (`run_interruptible`), the first signal cancels its main task instead,
 and `Interrupted` is raised once the loop has closed: raised from a signal handler, it would land
 in whichever task happened to run and be logged as that task's unretrieved exception.

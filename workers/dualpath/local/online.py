@@ -54,7 +54,7 @@ from dualpath import config
 from dualpath.local import bench
 from dualpath.local.budget import Capacity, capacity
 from dualpath.local.interrupt import run_interruptible
-from dualpath.trace import TraceSpec, Trajectory, generate
+from dualpath.trace import Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
@@ -207,18 +207,7 @@ def next_rate(
 
 def sessions(args: argparse.Namespace) -> list[Trajectory]:
     """The `--agents` sessions every rate point replays (ids a0, a1, ...; start_s 0)."""
-    spec = TraceSpec(
-        agents=args.agents,
-        max_context_tokens=args.context,
-        max_turns=args.turns,
-        mean_append_tokens=args.append_tokens,
-        mean_gen_tokens=args.gen_tokens,
-        first_tokens=args.first_tokens,
-        seed=args.seed,
-        length_sigma=0.3,
-        mean_think_s=args.think_s,
-    )
-    return generate(spec)
+    return generate(replace(bench.trace_spec(args), mean_think_s=args.think_s))
 
 
 def arrivals(

@@ -4,9 +4,10 @@
     dualpath plan --trace out/cc.jsonl --sweep --sweep-nodes 12 --sweep-snic-gbps 200,400,800 \
         --sweep-kv-gb 400,800 --json
 
-Every cell is a whole plan (`dualpath.sim.plan`: each policy's best split, capacity by
-bisection, several seeds): the table and the heatmap give dualpath / prefill-read at each
-one's best split with its 95% interval, and what binds each policy there.
+Every cell is a whole plan (the planner `dualpath.sim.plan` passes in: each policy's best
+split, capacity by bisection, several seeds): the table and the heatmap give dualpath /
+prefill-read at each one's best split with its 95% interval, and what binds each policy there.
+Below `plan.py` (which calls it), over `points.py` (what both say of a plan's points).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 from typing import Any
 
 from dualpath.config import ModelSpec
-from dualpath.sim.plan import BASELINE, Point, compare, hardware, ties
+from dualpath.sim.points import BASELINE, Point, compare, hardware, ties
 
 
 def sweep(

@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> int:
     import os
 
+    from prometheus_client import REGISTRY
+
     from dualpath.observability import ObservabilityServer
     from dualpath.worker.node import NodeOptions, WorkerNode
 
@@ -93,9 +95,13 @@ async def serve(args: argparse.Namespace) -> int:
         from dualpath.worker.vllm import VllmWorker
 
         node = VllmWorker(cfg, opts, config_file=args.file or "")
+        registry = node.registry  # its vLLM processes' metrics too
     else:
         node = WorkerNode(cfg, opts)
-    obs = ObservabilityServer(args.metrics_port, health=node.health, live=node.live).start()
+        registry = REGISTRY
+    obs = ObservabilityServer(
+        args.metrics_port, health=node.health, live=node.live, registry=registry
+    ).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

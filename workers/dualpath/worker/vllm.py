@@ -22,6 +22,10 @@ the identity rules, the field bounds) with `VllmServicer`, which converts each c
 the scheduler with this worker's own credentials (`grpc_auth.auth_files`).
 A vLLM that exits takes the worker with it (exit code 1), so the supervisor (or the kubelet)
 restarts both.
+Its `/metrics` is the node's: vLLM's processes write prometheus_client multiprocess files into
+a directory of this worker's (PROMETHEUS_MULTIPROC_DIR), which `registry` adds to the worker's
+own, so the connector's reads (`dualpath_kv_read_bytes_total`, `dualpath_vllm_*`) and vLLM's
+`vllm:*` metrics are scraped where every worker's are.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from dualpath.integrations.vllm.blocks import received_tokens, usable_hit_tokens
 from dualpath.integrations.vllm.connector_config import ConnectorConfig
 from dualpath.integrations.vllm.plan import KvTarget, Route
 from dualpath.integrations.vllm.server import VLLM_BLOCK_TOKENS, vllm_command
+from dualpath.observability import WithChildMetrics
 from dualpath.sampling import SamplingParams
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
@@ -188,7 +193,6 @@ class VllmWorker:
         self.read_pending_bytes = 0
         self.port = 0
         self.rendezvous_port = 0  # decode: the connector's loopback rendezvous in its vLLM
-        self.metrics_dir = ""  # the vLLM child's PROMETHEUS_MULTIPROC_DIR
         self.proc: asyncio.subprocess.Process | None = None
         self.http: httpx.AsyncClient | None = None
         self._server: WorkerServer | None = None
@@ -197,6 +201,10 @@ class VllmWorker:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._watch: asyncio.Task | None = None
         self.exited = asyncio.Event()  # the vLLM child exited: the worker must exit too
+        # vLLM's processes write their metrics here (fresh per worker process: a restarted
+        # vLLM must not add its predecessor's counts); `/metrics` serves `registry`
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"dualpath-vllm-metrics-{self.node_id}-")
+        self.registry = WithChildMetrics(self.metrics_dir)
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -217,13 +225,11 @@ class VllmWorker:
             rendezvous_port=self.rendezvous_port,
         )
         cmd = vllm_command(self.cfg, port=vport, connector=cc)
-        # vLLM's /metrics then also serves the connector's counters (they live in vLLM's
-        # worker process): prometheus_client's multiprocess mode, a fresh directory per child
-        self.metrics_dir = tempfile.mkdtemp(prefix=f"dualpath-vllm-{self.node_id}-")
-        env = {**os.environ, **cmd.env, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         log.info("%s: starting vLLM on 127.0.0.1:%d", self.node_id, vport)
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd.argv, env=env, preexec_fn=_die_with_parent
+            *cmd.argv,
+            env={**os.environ, **cmd.env, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir},
+            preexec_fn=_die_with_parent,
         )
         self._watch = asyncio.create_task(self._watch_child())
         self.http = httpx.AsyncClient(
@@ -502,6 +508,5 @@ class VllmWorker:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
-        if self.metrics_dir:
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
         log.info("worker %s (vLLM) stopped", self.node_id)
