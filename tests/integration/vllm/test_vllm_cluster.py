@@ -5,16 +5,21 @@ One cluster for the module (vLLM starts in 30-80 s): 1 prefill + 1 decode vLLM, 
 model (written as a checkpoint by the cluster), the round-robin policy so consecutive turns
 alternate path P and path D. Every answer is greedy and compared with vLLM's own recompute of
 the same prompt (a `cache_salt` no block was written under: no hit, the connector loads
-nothing).
+nothing). The prompt's KV moves between the two vLLM instances over NIXL (docs/vllm.md): the
+connector's counters, which live in vLLM's worker process, are read from the worker's
+`/metrics` (which merges its vLLM's processes' metrics).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
+import re
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -99,6 +104,32 @@ def _metric(url: str, name: str) -> dict[str, float]:
     return out
 
 
+def _vllm_url(cl, node: str) -> str:
+    """The base URL of the vLLM child of worker `node` (its `--port`, from /proc)."""
+    pid = next(c for c in cl.supervisor.children if c.spec.name == node).proc.pid
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"--port" in argv:
+            return f"http://127.0.0.1:{argv[argv.index(b'--port') + 1].decode()}"
+    raise AssertionError(f"{node} runs no vLLM child")
+
+
+def _counters(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of counter `name` on a worker's /metrics (`url`: its readiness URL), by their
+    sorted labels."""
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for line in httpx.get(url.replace("/readyz", "/metrics"), timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            key = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels)))
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _count(samples: dict, **labels: str) -> float:
+    return sum(v for k, v in samples.items() if set(labels.items()) <= set(k))
+
+
 def test_turns_hit_the_store_on_both_paths_with_recompute_answers(cluster) -> None:
     cl, _ = cluster
     with httpx.Client(base_url=cl.endpoints.frontend, timeout=300) as c:
@@ -113,6 +144,43 @@ def test_turns_hit_the_store_on_both_paths_with_recompute_answers(cluster) -> No
     assert paths == {"prefill", "decode"}, paths
     turned = _metric(cl.endpoints.workers["decode-0"], "dualpath_vllm_turns_total")
     assert turned.get('{path="prefill"}', 0) > 0 and turned.get('{path="decode"}', 0) > 0
+    # the KV moved between the instances over NIXL on both paths: path D's hit streamed from
+    # the decode's cache to the prefill, and the prefill's blocks written into the decode's
+    prefill, decode = cl.endpoints.workers["prefill-0"], cl.endpoints.workers["decode-0"]
+    moved = _counters(prefill, "dualpath_vllm_transfer_bytes_total")
+    assert _count(moved, path="prefill", direction="prefill_to_decode") > 0, moved
+    assert _count(moved, path="decode", direction="prefill_to_decode") > 0, moved
+    assert _count(moved, path="decode", direction="decode_to_prefill") > 0, moved
+    received = _counters(decode, "dualpath_vllm_transfers_received_total")
+    assert _count(received, path="prefill") > 0 and _count(received, path="decode") > 0
+    # no second read: the decode read only path D's hits from the store, never path P's
+    loads = _counters(decode, "dualpath_vllm_loads_total")
+    assert _count(loads, path="prefill") == 0 and _count(loads, path="decode") > 0, loads
+    assert _count(_counters(prefill, "dualpath_vllm_loads_total"), path="prefill") > 0
+    failed = _counters(decode, "dualpath_vllm_transfer_failures_total")
+    failed.update(_counters(prefill, "dualpath_vllm_transfer_failures_total"))
+    assert sum(failed.values()) == 0, failed
+
+
+def test_a_transfer_that_never_comes_ends_in_a_recompute_with_the_same_answer(cluster) -> None:
+    """A receiver whose prefill never sends (here: never called) waits until its deadline,
+    then vLLM recomputes the prompt: the same greedy tokens, counted as a failed receive."""
+    cl, _ = cluster
+    vllm, decode = _vllm_url(cl, "decode-0"), cl.endpoints.workers["decode-0"]
+    prompt = [100 + i % 300 for i in range(300)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    before = _count(_counters(decode, "dualpath_vllm_transfer_failures_total"), stage="receive")
+    with httpx.Client(timeout=300) as c:
+        ref = c.post(vllm + "/v1/completions", json=body)
+        route = {"dualpath": {"receive": True, "xfer_id": f"never/{uuid.uuid4().hex}",
+                              "deadline_unix": time.time() + 3, "request_id": "never"}}  # fmt: skip
+        got = c.post(vllm + "/v1/completions", json={**body, "kv_transfer_params": route})
+    assert ref.status_code == 200 and got.status_code == 200, got.text
+    tokens = [json.loads(r.text)["choices"][0]["token_ids"] for r in (ref, got)]
+    assert tokens[0] == tokens[1] and tokens[0]
+    after = _count(_counters(decode, "dualpath_vllm_transfer_failures_total"), stage="receive")
+    assert after == before + 1
 
 
 def test_every_grpc_channel_is_mutual_tls_and_none_is_refused(cluster) -> None:

@@ -1,17 +1,24 @@
 """The connector's two halves without vLLM: the scheduler half on stand-ins of vLLM's request
 and scheduler output, the worker half on a real store and a paged cache laid out as vLLM's
 CPU attention lays it out (`_vllm_reshape_and_cache`, an independent restatement of it; the
-real kernel is checked in tests/integration/vllm when vLLM is installed)."""
+real kernel is checked in tests/integration/vllm when vLLM is installed). The NIXL flow
+between two instances runs a decode connector (receiver) and a prefill connector (sender) in
+one process with two real NIXL agents (UCX)."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from dualpath.integrations.vllm import blocks, cache
-from dualpath.integrations.vllm.plan import Route
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
+from dualpath.integrations.vllm.nixl import block_descs
+from dualpath.integrations.vllm.plan import KvTarget, RecvPlan, Route, StepPlan
+from dualpath.integrations.vllm.rendezvous import RendezvousError
 from dualpath.integrations.vllm.scheduler_side import SchedulerSide
 from dualpath.integrations.vllm.worker_side import WorkerSide
 from dualpath.kv.ids import block_ids
@@ -78,7 +85,7 @@ def _worker(tmp: Path, cfg) -> tuple[WorkerSide, dict[int, torch.Tensor]]:
         f"model.layers.{i}.self_attn.attn": torch.zeros(16, m.kv_heads, VB, 2 * m.head_dim)
         for i in range(m.layers)
     }
-    w = WorkerSide(cfg, storage=str(tmp / "kv"), node_id="t")
+    w = WorkerSide(cfg, ConnectorConfig(storage=str(tmp / "kv"), node_id="t"))
     w.register_kv_caches(caches, _vllm_reshape_and_cache)
     return w, {i: t for i, t in enumerate(caches.values())}
 
@@ -111,8 +118,8 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path
     }  # fmt: skip
     # turn 1: no route, nothing loaded; blocks 0..3 (256 tokens) saved from vLLM blocks [2, 5, 6]
     r1 = _request("r1", tokens)
-    assert sched.get_num_new_matched_tokens(r1, 0) == 0
-    sched.update_state_after_alloc(r1, 0)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    sched.update_state_after_alloc(r1, [], 0)
     plan = sched.build(_step("r1", tokens, [2, 5, 6], 0, 300))
     assert not plan.loads and [(s.start, len(s.tokens)) for s in plan.saves] == [(0, 256)]
     slots = torch.tensor(blocks.slots([2, 5, 6], 0, 300, VB))  # where vLLM computes them
@@ -122,8 +129,8 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path
     # turn 2: the route says 4 store blocks hit; vLLM loads 2 whole vLLM blocks into [9, 4, ...]
     t2 = tokens + [7] * 100
     r2 = _request("r2", t2, Route(256, "decode"))
-    assert sched.get_num_new_matched_tokens(r2, 0) == 256
-    sched.update_state_after_alloc(r2, 256)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (256, False)
+    sched.update_state_after_alloc(r2, [9, 4, 11, 12], 256)
     plan = sched.build(_step("r2", t2, [9, 4, 11, 12], 256, 144))
     (load,) = plan.loads
     assert load.path == "decode" and load.block_ids == ids(t2, b"")[:4]
@@ -156,10 +163,211 @@ def test_a_corrupt_block_ends_the_hit_and_names_the_vllm_blocks_to_recompute(
         f.seek(third.stat().st_size // 2)
         f.write(os.urandom(64))
     r2 = _request("r2", tokens, Route(384, "prefill"))
-    assert sched.get_num_new_matched_tokens(r2, 0) == 384
-    sched.update_state_after_alloc(r2, 384)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (384, False)
+    sched.update_state_after_alloc(r2, [5, 6, 7, 8], 384)
     plan = sched.build(_step("r2", tokens, [5, 6, 7, 8], 384, 16))
     _forward(worker, caches, plan)
     # a checksum failure in a layer drops the whole hit: every loaded vLLM block is recomputed
     assert worker.take_load_errors() == {5, 6, 7}
     worker.shutdown()
+
+
+# ---- the NIXL flow between two instances -------------------------------------------------
+TARGET = KvTarget("decode-0-vllm-1", b"meta", (4096, 8192), 1024, (3, 4, 5))
+
+
+def test_a_route_carries_the_receiver_and_the_sender_and_refuses_naming_the_field() -> None:
+    recv = Route(256, "decode", "prefill-0", b"\x01", "t1", "t1/x", True, 1e9)
+    assert Route.of(recv.params()) == recv
+    send = Route(256, "decode", "decode-0", b"", "t1", "t1/x", False, 1e9, TARGET)
+    assert Route.of(send.params()) == send
+    bad = [
+        ({"receive": True, "deadline_unix": 1.0}, "xfer_id"),
+        ({"receive": "yes"}, "receive"),
+        ({"xfer_id": "x", "deadline_unix": -1}, "deadline_unix"),
+        ({"xfer_id": "x", "deadline_unix": 1.0, "send_to": {"agent": "a"}}, "send_to.metadata"),
+        ({**send.params()["dualpath"], "receive": True}, "exclude"),
+    ]
+    for raw, field in bad:
+        with pytest.raises(ValueError, match=field):
+            Route.of({"dualpath": raw})
+    t = TARGET.params() | {"block_ids": []}
+    with pytest.raises(ValueError, match="send_to.block_ids"):
+        Route.of({"dualpath": {"xfer_id": "x", "deadline_unix": 1.0, "send_to": t}})
+
+
+def test_a_block_of_a_layer_is_one_descriptor() -> None:
+    assert block_descs(1000, 64, [3, 0]) == [(1000 + 192, 64, 0), (1000, 64, 0)]
+
+
+def _empty_step() -> SimpleNamespace:
+    cached = SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={}
+    )
+
+
+def test_the_receiver_takes_all_but_the_last_token_once_and_plans_its_own_hit() -> None:
+    ids = lambda t, salt: [f"b{i}" for i in range(len(t) // SB)]  # noqa: E731
+    sched = SchedulerSide(VB, SB, ids)
+    tokens = list(range(400))
+    r = _request("r", tokens, Route(300, "decode", xfer_id="x", receive=True, deadline_unix=9.0))
+    assert sched.get_num_new_matched_tokens(r, 0) == (399, True)
+    sched.update_state_after_alloc(r, [7, 8, 9, 10], 399)
+    (recv,) = sched.build(_empty_step()).recvs
+    assert (recv.xfer_id, recv.tokens, recv.block_table, recv.deadline_unix) == (
+        "x",
+        399,
+        [7, 8, 9, 10],
+        9.0,
+    )
+    # path D: the receiver's own hit, whole vLLM blocks (300 -> 256), from the store
+    assert (recv.hit.start, recv.hit.end, recv.hit.block_ids) == (0, 256, ["b0", "b1", "b2", "b3"])
+    assert recv.hit.slots == blocks.slots([7, 8], 0, 256, VB)
+    assert sched.build(_empty_step()).recvs == []  # planned once
+    # received (or given up) once: a preempted request recomputes, it never waits again
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    one = _request("one", [5], Route(xfer_id="y", receive=True, deadline_unix=9.0))
+    assert sched.get_num_new_matched_tokens(one, 0) == (0, False)  # nothing to receive
+
+
+def test_the_sender_reads_the_hit_from_the_decode_and_sends_only_what_it_lacks() -> None:
+    sched = SchedulerSide(VB, SB, lambda t, salt: [])
+    tokens = list(range(400))
+    target = KvTarget("d", b"m", (1, 2), 64, (20, 21, 22, 23))
+    r = _request("p", tokens, Route(256, "decode", xfer_id="x", deadline_unix=9.0, send_to=target))
+    assert sched.get_num_new_matched_tokens(r, 0) == (256, False)
+    sched.update_state_after_alloc(r, [5, 6, 7, 8], 256)
+    plan = sched.build(_step("p", tokens, [5, 6, 7, 8], 256, 144))
+    (load,) = plan.loads
+    assert (load.source, load.local_blocks, load.remote_blocks) == (target, [5, 6], [20, 21])
+    (send,) = plan.sends
+    assert (send.local_blocks, send.remote_blocks, send.xfer_id) == ([7, 8], [22, 23], "x")
+    # path P: the prefill computes everything and sends every prompt block, in the step that
+    # computes the last prompt token only
+    rp = _request("q", tokens, Route(0, "prefill", xfer_id="z", deadline_unix=9.0, send_to=target))
+    assert sched.get_num_new_matched_tokens(rp, 0) == (0, False)
+    assert sched.build(_step("q", tokens, [1, 2, 3, 4], 0, 200)).sends == []  # chunk 1
+    st = sched._reqs["q"]
+    st.block_table = [1, 2, 3, 4]
+    plan = StepPlan()
+    sched._send(plan, "q", st, 200, 400)
+    assert [(s.local_blocks, s.remote_blocks) for s in plan.sends] == [
+        ([1, 2, 3, 4], [20, 21, 22, 23])
+    ]
+
+
+def _named_worker(tmp: Path, cfg, name: str, blocks_n: int = 16):  # noqa: ANN202
+    m = cfg.spec.model
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(blocks_n, m.kv_heads, VB, 2 * m.head_dim)
+        for i in range(m.layers)
+    }
+    w = WorkerSide(cfg, ConnectorConfig(storage=str(tmp / "kv"), node_id=name))
+    w.register_kv_caches(caches, _vllm_reshape_and_cache)
+    return w, {i: t for i, t in enumerate(caches.values())}
+
+
+def _tokens_kv(cache_t: torch.Tensor, table: list[int], start: int, end: int):  # noqa: ANN202
+    return cache.read_tokens(cache_t, torch.tensor(blocks.slots(table, start, end, VB)))
+
+
+def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    m = cfg.spec.model
+    ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
+    decode, dcaches = _named_worker(tmp_path, cfg, "decode-0")
+    prefill, pcaches = _named_worker(tmp_path, cfg, "prefill-0")
+    gen = torch.Generator().manual_seed(3)
+    tokens = [5 + i % 300 for i in range(400)]
+    kv = {
+        layer: (torch.randn(400, m.kv_heads, m.head_dim, generator=gen),
+                torch.randn(400, m.kv_heads, m.head_dim, generator=gen))
+        for layer in dcaches
+    }  # fmt: skip
+    # an earlier turn saved tokens [0, 256) to the store
+    dsched = SchedulerSide(VB, SB, ids)
+    r0 = _request("r0", tokens[:300])
+    dsched.get_num_new_matched_tokens(r0, 0)
+    plan = dsched.build(_step("r0", tokens[:300], [9, 10, 11], 0, 300))
+    slots0 = torch.tensor(blocks.slots([9, 10, 11], 0, 300, VB))
+    _forward(decode, dcaches, plan, lambda layer: (slots0, kv[layer][0][:300], kv[layer][1][:300]))
+    # the decode parks the turn as a receiver and reads its hit into its own blocks
+    deadline = time.time() + 120
+    rd = _request("rd", tokens, Route(256, "decode", xfer_id="t/1", receive=True,
+                                      deadline_unix=deadline))  # fmt: skip
+    assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
+    dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
+    decode.start_load(dsched.build(_empty_step()))
+    ready = decode.wait_ready("t/1", 60)
+    assert ready.hit_tokens == 256 and ready.target.block_ids == (1, 2, 3, 4)
+    for layer, t in dcaches.items():
+        assert torch.equal(_tokens_kv(t, [1, 2], 0, 256)[0], kv[layer][0][:256])
+    # the prefill streams the hit from the decode layer by layer, computes the rest, sends it
+    psched = SchedulerSide(VB, SB, ids)
+    rp = _request("rp", tokens, Route(256, "decode", xfer_id="t/1", deadline_unix=deadline,
+                                      send_to=ready.target))  # fmt: skip
+    assert psched.get_num_new_matched_tokens(rp, 0) == (256, False)
+    psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
+    plan = psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
+    _forward(prefill, pcaches, plan,
+             lambda layer: (new_slots, kv[layer][0][256:], kv[layer][1][256:]))  # fmt: skip
+    assert prefill.take_load_errors() == set()
+    for layer, t in pcaches.items():  # the hit came from the decode's cache
+        assert torch.equal(_tokens_kv(t, [5, 6], 0, 256)[1], kv[layer][1][:256])
+    got: set[str] = set()
+    for _ in range(2000):  # the notification: bounded polls, not a timing assertion
+        got |= decode.finished_receiving()
+        if got:
+            break
+        time.sleep(0.005)
+    assert got == {"rd"} and decode.take_load_errors() == set()
+    for layer, t in dcaches.items():  # every prompt token but the last is in the decode's
+        k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
+        assert torch.equal(k, kv[layer][0][:399]) and torch.equal(v, kv[layer][1][:399])
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def test_a_receiver_past_its_deadline_is_received_with_its_blocks_to_recompute(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(tmp_path)
+    decode, _ = _named_worker(tmp_path, cfg, "decode-0")
+    with pytest.raises(RendezvousError, match="not ready"):
+        decode.wait_ready("nobody", 0.01)
+    gone = RecvPlan("r", "x", "prefill", [3, 4, 5], 300, time.time() - 1)
+    decode.start_load(StepPlan(recvs=[gone]))
+    assert decode.wait_ready("x", 1).target.block_ids == (3, 4, 5)
+    assert decode.finished_receiving() == {"r"}
+    assert decode.take_load_errors() == {3, 4, 5}  # no hit of its own: all recomputed
+    assert decode.finished_receiving() == set()  # reported once
+    decode.shutdown()
+
+
+def test_a_failed_hit_read_recomputes_the_hit_and_sends_nothing_that_step(tmp_path: Path) -> None:
+    """The decode's agent cannot be reached (here: metadata NIXL refuses): the prefill's hit
+    blocks are load errors (vLLM recomputes them) and the step sends no KV computed over a
+    hit it does not hold; the recompute's step may still send (the transfer is not spent)."""
+    cfg = _cfg(tmp_path)
+    prefill, pcaches = _named_worker(tmp_path, cfg, "prefill-0")
+    m = cfg.spec.model
+    target = KvTarget(
+        "decode-0-vllm-1", b"not NIXL metadata", tuple(range(1 << 20, (m.layers + 1) << 20, 1 << 20)),
+        prefill.agent.block_bytes, (1, 2, 3, 4),
+    )  # fmt: skip
+    sched = SchedulerSide(VB, SB, lambda t, salt: [])
+    tokens = list(range(400))
+    route = Route(256, "decode", xfer_id="t/2", deadline_unix=time.time() + 60, send_to=target)
+    r = _request("rp", tokens, route)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, [5, 6, 7, 8], 256)
+    plan = sched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    assert plan.sends
+    _forward(prefill, pcaches, plan)
+    assert prefill.take_load_errors() == {5, 6}
+    assert "t/2" not in prefill._sent
+    prefill.shutdown()

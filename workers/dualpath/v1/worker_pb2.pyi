@@ -64,7 +64,7 @@ class Region(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "hit_tokens", "read_path", "decode_node", "decode_agent", "decode_agent_metadata", "decode_hit", "decode_new", "cache_salt")
+    __slots__ = ("request_id", "prompt_tokens", "hit_tokens", "read_path", "decode_node", "decode_agent", "decode_agent_metadata", "decode_hit", "decode_new", "cache_salt", "decode_vllm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class PrefillRequest(_message.Message):
     DECODE_HIT_FIELD_NUMBER: _ClassVar[int]
     DECODE_NEW_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_VLLM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     hit_tokens: int
@@ -85,7 +86,22 @@ class PrefillRequest(_message.Message):
     decode_hit: Region
     decode_new: Region
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., decode_node: _Optional[str] = ..., decode_agent: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_hit: _Optional[_Union[Region, _Mapping]] = ..., decode_new: _Optional[_Union[Region, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    decode_vllm: VllmKvTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., decode_node: _Optional[str] = ..., decode_agent: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_hit: _Optional[_Union[Region, _Mapping]] = ..., decode_new: _Optional[_Union[Region, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., decode_vllm: _Optional[_Union[VllmKvTarget, _Mapping]] = ...) -> None: ...
+
+class VllmKvTarget(_message.Message):
+    __slots__ = ("layer_addresses", "block_bytes", "block_ids", "deadline_unix", "xfer_id")
+    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    XFER_ID_FIELD_NUMBER: _ClassVar[int]
+    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    deadline_unix: float
+    xfer_id: str
+    def __init__(self, layer_addresses: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., xfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillAccepted(_message.Message):
     __slots__ = ("prefill_agent", "prefill_agent_metadata", "prefill_hit")

@@ -6,13 +6,16 @@ Worker service, and serves each turn on its own vLLM (`integrations.vllm.server.
 a child process with the DualPath connector), passing the route in `kv_transfer_params`
 (`integrations.vllm.plan.Route`).
 
-- decode node, path P (and a turn with no hit): the prefill node computes the prompt on its
-  vLLM (`Prefill`: its connector reads the hit from the store through the prefill node's read
-  queue and saves the prompt's new blocks); then this node's vLLM loads the prompt's full
-  blocks from the store and decodes. The prefill->decode hand-off goes through the store, not
-  NIXL (docs/vllm.md, limits).
-- decode node, path D: this node's vLLM reads the hit itself (its read queue) and computes the
-  new tokens too; the prefill node is not called.
+A turn on the decode node (docs/vllm.md, "The NIXL flow"): the adapter opens the streaming
+request to its own vLLM first, as a *receiver* (`Route.receive`: vLLM parks it until the
+prompt's KV arrives over NIXL); asks the connector inside its vLLM, on a loopback port
+(`rendezvous.py`), where (the NIXL agent, the request's vLLM blocks), which it answers once
+vLLM parked the request and, on path D, read the hit into its own blocks; then calls the
+prefill node's `Prefill` with that target (`PrefillRequest.decode_vllm`). The prefill's vLLM
+reads the hit from the store (path P) or streams it from the decode's blocks layer by layer
+(path D), computes the rest and writes the blocks the decode lacks into them, then notifies;
+the decode's vLLM recomputes the prompt's last token and decodes. No notification by the
+deadline: the decode recomputes (same answer, slower, counted).
 Its gRPC edge is the torch worker's: `service.WorkerServer` (mutual TLS or the cluster token,
 the identity rules, the field bounds) with `VllmServicer`, which converts each call with
 `wire.py` and claims each routed request (the route lease). The connector in vLLM speaks to
@@ -38,6 +41,7 @@ import signal
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -45,9 +49,10 @@ import httpx
 
 from dualpath.config import ClusterConfig, Role
 from dualpath.grpc_auth import auth_files
-from dualpath.integrations.vllm import metrics
-from dualpath.integrations.vllm.blocks import usable_hit_tokens
-from dualpath.integrations.vllm.plan import Route
+from dualpath.integrations.vllm import metrics, rendezvous
+from dualpath.integrations.vllm.blocks import received_tokens, usable_hit_tokens
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
+from dualpath.integrations.vllm.plan import KvTarget, Route
 from dualpath.integrations.vllm.server import VLLM_BLOCK_TOKENS, vllm_command
 from dualpath.observability import WithChildMetrics
 from dualpath.sampling import SamplingParams
@@ -61,6 +66,7 @@ from dualpath.worker.wire import (
     PrefillOrder,
     Turn,
     TurnChunk,
+    VllmKvTarget,
     chunk_to_pb,
     generate_from_pb,
     prefill_from_pb,
@@ -165,7 +171,7 @@ class VllmServicer(WorkerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"prefill {turn.prefill_node}: {err.code().name}: {err.details()}",
             )
-        except (httpx.HTTPError, RuntimeError) as err:
+        except (httpx.HTTPError, RuntimeError, rendezvous.RendezvousError) as err:
             context.set_trailing_metadata(((FAILED_NODE_KEY, n.node_id),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id}: {err}")
 
@@ -186,6 +192,7 @@ class VllmWorker:
         self.tokens_running = 0
         self.read_pending_bytes = 0
         self.port = 0
+        self.rendezvous_port = 0  # decode: the connector's loopback rendezvous in its vLLM
         self.proc: asyncio.subprocess.Process | None = None
         self.http: httpx.AsyncClient | None = None
         self._server: WorkerServer | None = None
@@ -205,17 +212,19 @@ class VllmWorker:
         spec = self.cfg.spec
         storage = self.opts.storage or spec.storage.path
         vport = _free_loopback_port()
+        if self.role is Role.DECODE:
+            self.rendezvous_port = _free_loopback_port()
         token_file, tls_dir = auth_files(self.opts.token)  # the connector speaks as this node
-        cmd = vllm_command(
-            self.cfg,
+        cc = ConnectorConfig(
             config_file=self.config_file,
-            port=vport,
             storage=storage,
             node_id=self.node_id,
             scheduler=self.opts.scheduler,
             token_file=token_file,
             tls_dir=tls_dir,
+            rendezvous_port=self.rendezvous_port,
         )
+        cmd = vllm_command(self.cfg, port=vport, connector=cc)
         log.info("%s: starting vLLM on 127.0.0.1:%d", self.node_id, vport)
         self.proc = await asyncio.create_subprocess_exec(
             *cmd.argv,
@@ -323,16 +332,32 @@ class VllmWorker:
 
     async def prefill(self, order: PrefillOrder) -> dict:
         """Compute the prompt on this node's vLLM (one greedy token, not streamed): its
-        connector reads the hit (this node's read queue) and saves the new blocks."""
+        connector reads the hit (path P: this node's read queue; path D: the decode vLLM's
+        blocks over NIXL), writes the blocks the decode lacks into the decode vLLM's cache
+        (`order.decode_vllm`) and saves the new blocks to the store."""
+        t = order.decode_vllm
+        send_to = None
+        if t is not None:
+            send_to = KvTarget(
+                order.decode_agent,
+                order.decode_agent_metadata,
+                t.layer_addresses,
+                t.block_bytes,
+                t.block_ids,
+            )
+        path_d = order.read_path == "decode" and send_to is not None
         route = Route(
             hit_tokens=order.hit_tokens,
-            read_path="prefill",
+            read_path="decode" if path_d else "prefill",
             peer=order.decode_node,
             cache_salt=order.cache_salt,
             request_id=order.request_id,
+            xfer_id=t.xfer_id if t else "",
+            deadline_unix=t.deadline_unix if t else 0.0,
+            send_to=send_to,
         )
         body = self._body(order.prompt, route, PREFILL_SAMPLING, stream=False)
-        reads = route.hit_tokens * self.cfg.spec.model.kv_bytes_per_token
+        reads = 0 if path_d else route.hit_tokens * self.cfg.spec.model.kv_bytes_per_token
         self.inflight += 1
         self.tokens_running += len(order.prompt)
         self.read_pending_bytes += reads
@@ -346,18 +371,26 @@ class VllmWorker:
             self.tokens_running -= len(order.prompt)
             self.read_pending_bytes -= reads
 
-    async def _prefill_on_peer(self, turn: Turn) -> None:
+    async def _prefill_on_peer(
+        self, turn: Turn, path: str, ready: rendezvous.Ready, xfer_id: str, deadline_unix: float
+    ) -> None:
+        """The prefill node computes the prompt and writes its KV into this vLLM's blocks."""
+        t = ready.target
         order = PrefillOrder(
             request_id=turn.request_id,
             prompt=turn.prompt,
-            hit_tokens=turn.hit_tokens,
-            read_path="prefill",
+            # path D: the hit this node's vLLM holds (fewer tokens when a block failed)
+            hit_tokens=ready.hit_tokens if path == "decode" else turn.hit_tokens,
+            read_path="decode" if path == "decode" else "prefill",
             decode_node=self.node_id,
-            decode_agent="",  # the KV comes through the store (`prefill_from_pb(via_store)`)
-            decode_agent_metadata=b"",
+            decode_agent=t.agent,
+            decode_agent_metadata=t.metadata,
             decode_hit=None,
             decode_new=None,
             cache_salt=turn.cache_salt,
+            decode_vllm=VllmKvTarget(
+                t.layer_addresses, t.block_bytes, t.block_ids, deadline_unix, xfer_id
+            ),
         )
         stub = await prefill_stub(self._channels, turn.prefill_address, self.opts.token)
         call = stub.Prefill(
@@ -366,43 +399,78 @@ class VllmWorker:
         async for _ in call:
             pass
 
-    async def generate(self, turn: Turn) -> AsyncIterator[TurnChunk]:
-        """Serve one turn (decode node)."""
-        prompt = turn.prompt
-        bt = self.cfg.spec.model.block_tokens
-        path = turn.read_path if turn.hit_tokens else "none"
-        salt, rid = turn.cache_salt, turn.request_id
-        if path == "decode":  # path D: this node reads the hit and computes the new tokens
-            route = Route(turn.hit_tokens, "decode", turn.prefill_node, salt, rid)
-        else:  # path P: the prefill node reads and computes; its blocks come through the store
-            await self._prefill_on_peer(turn)
-            route = Route(len(prompt) // bt * bt, "prefill", turn.prefill_node, salt, rid)
-        metrics.TURNS.labels(path=path).inc()
-        hit = usable_hit_tokens(turn.hit_tokens, len(prompt), VLLM_BLOCK_TOKENS)
-        body = self._body(prompt, route, turn.sampling, stream=True)
-        first = True
-        self.inflight += 1
-        self.tokens_running += len(prompt)
-        # path D: this node's read queue reads the hit (the heartbeat's read-pending bytes)
-        reads = route.hit_tokens * self.cfg.spec.model.kv_bytes_per_token if path == "decode" else 0
-        self.read_pending_bytes += reads
+    async def _stream(self, body: dict, out: asyncio.Queue) -> None:
+        """This node's vLLM's streamed answer, message by message, then None (or the error)."""
         try:
             async with self.http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"vLLM answered {r.status_code}: {(await r.aread())[:200]}")
                 async for line in _sse_data(r):
-                    msg = json.loads(line)
-                    for c in msg.get("choices") or ():
-                        tokens = tuple(c.get("token_ids") or ())
-                        finish = c.get("finish_reason") or ""
-                        if first:  # the route's hit in whole vLLM blocks (docs/vllm.md)
-                            first = False
-                            self.read_pending_bytes -= reads  # read before the first token
-                            reads = 0
-                            yield TurnChunk(tokens, finish, hit_tokens=hit, read_path=path)
-                        else:
-                            yield TurnChunk(tokens, finish)
+                    await out.put(json.loads(line))
+            await out.put(None)
+        except Exception as err:  # noqa: BLE001 (handed to the turn's generator)
+            await out.put(err)
+
+    async def generate(self, turn: Turn) -> AsyncIterator[TurnChunk]:
+        """Serve one turn (decode node): receive the prompt's KV from the prefill node."""
+        prompt = turn.prompt
+        path = turn.read_path if turn.hit_tokens else "none"
+        metrics.TURNS.labels(path=path).inc()
+        hit = usable_hit_tokens(turn.hit_tokens, len(prompt), VLLM_BLOCK_TOKENS)
+        timeout_s = self.cfg.spec.workers.request_timeout_seconds
+        deadline = time.time() + timeout_s
+        # a unique name per attempt: a retried turn never meets its earlier transfer
+        xfer_id = f"{turn.request_id}/{uuid.uuid4().hex[:12]}"
+        receive = received_tokens(len(prompt)) > 0
+        route = Route(
+            hit_tokens=turn.hit_tokens,
+            read_path="decode" if path == "decode" else "prefill",
+            peer=turn.prefill_node,
+            cache_salt=turn.cache_salt,
+            request_id=turn.request_id,
+            xfer_id=xfer_id if receive else "",
+            receive=receive,
+            deadline_unix=deadline if receive else 0.0,
+        )
+        body = self._body(prompt, route, turn.sampling, stream=True)
+        first = True
+        self.inflight += 1
+        self.tokens_running += len(prompt)
+        # path D: this node's read queue reads the hit (the heartbeat's read-pending bytes)
+        reads = hit * self.cfg.spec.model.kv_bytes_per_token if path == "decode" else 0
+        self.read_pending_bytes += reads
+        answers: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._stream(body, answers))
+        try:
+            if receive:
+                ask = asyncio.create_task(rendezvous.ask(self.rendezvous_port, xfer_id, timeout_s))
+                # vLLM may refuse the request or answer it without parking it (nothing to
+                # receive): then its answer, or its error, is all there is
+                done, _ = await asyncio.wait({ask, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if ask in done:
+                    ready = ask.result()
+                    self.read_pending_bytes -= reads  # the hit is in this vLLM's blocks now
+                    reads = 0
+                    await self._prefill_on_peer(turn, path, ready, xfer_id, deadline)
+                else:
+                    ask.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, rendezvous.RendezvousError):
+                        await ask
+            while (msg := await answers.get()) is not None:
+                if isinstance(msg, Exception):
+                    raise msg
+                for c in msg.get("choices") or ():
+                    tokens = tuple(c.get("token_ids") or ())
+                    finish = c.get("finish_reason") or ""
+                    if first:  # the route's hit in whole vLLM blocks (docs/vllm.md)
+                        first = False
+                        yield TurnChunk(tokens, finish, hit_tokens=hit, read_path=path)
+                    else:
+                        yield TurnChunk(tokens, finish)
         finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
             self.inflight -= 1
             self.tokens_running -= len(prompt)
             self.read_pending_bytes -= reads

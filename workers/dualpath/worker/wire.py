@@ -85,6 +85,24 @@ class PrefillOrder:
     # (engine vllm, `via_store`), no NIXL agent or region is named
     decode_new: Region | None
     cache_salt: bytes
+    # engine vllm: the decode vLLM's cache over NIXL (`decode_agent` names its agent)
+    decode_vllm: VllmKvTarget | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VllmKvTarget:
+    """A decode vLLM's paged KV cache (PrefillRequest.decode_vllm, worker.proto)."""
+
+    layer_addresses: tuple[int, ...]
+    block_bytes: int
+    block_ids: tuple[int, ...]
+    deadline_unix: float
+    xfer_id: str
+
+
+MAX_XFER_ID_CHARS = 256
+MAX_VLLM_LAYERS = 1024
+MAX_VLLM_BLOCKS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +230,43 @@ def prefill_to_pb(o: PrefillOrder) -> wpb.PrefillRequest:
         decode_hit=_region_to_pb(o.decode_hit),
         decode_new=_region_to_pb(o.decode_new),
         cache_salt=o.cache_salt,
+        decode_vllm=_vllm_target_to_pb(o.decode_vllm),
+    )
+
+
+def _vllm_target_to_pb(t: VllmKvTarget | None) -> wpb.VllmKvTarget | None:
+    if t is None:
+        return None
+    return wpb.VllmKvTarget(
+        layer_addresses=t.layer_addresses,
+        block_bytes=t.block_bytes,
+        block_ids=t.block_ids,
+        deadline_unix=t.deadline_unix,
+        xfer_id=t.xfer_id,
+    )
+
+
+def _vllm_target(msg: wpb.PrefillRequest) -> VllmKvTarget | None:
+    """The decode vLLM's cache of an engine-vllm order (absent: no NIXL, the store path)."""
+    if not msg.HasField("decode_vllm"):
+        return None
+    t = msg.decode_vllm
+    if not msg.decode_agent or not msg.decode_agent_metadata:
+        raise BadField("decode_agent", "and decode_agent_metadata are required with decode_vllm")
+    if not 0 < len(t.layer_addresses) <= MAX_VLLM_LAYERS:
+        raise BadField("decode_vllm.layer_addresses", f"must hold 1..{MAX_VLLM_LAYERS} layers")
+    if any(a == 0 for a in t.layer_addresses):
+        raise BadField("decode_vllm.layer_addresses", "holds a null address")
+    if t.block_bytes <= 0:
+        raise BadField("decode_vllm.block_bytes", "must be > 0")
+    if not 0 < len(t.block_ids) <= MAX_VLLM_BLOCKS or any(b < 0 for b in t.block_ids):
+        raise BadField("decode_vllm.block_ids", f"must hold 1..{MAX_VLLM_BLOCKS} ids >= 0")
+    if not t.deadline_unix > 0:
+        raise BadField("decode_vllm.deadline_unix", "must be > 0")
+    if not 0 < len(t.xfer_id) <= MAX_XFER_ID_CHARS:
+        raise BadField("decode_vllm.xfer_id", f"must be 1..{MAX_XFER_ID_CHARS} characters")
+    return VllmKvTarget(
+        tuple(t.layer_addresses), t.block_bytes, tuple(t.block_ids), t.deadline_unix, t.xfer_id
     )
 
 
@@ -220,8 +275,9 @@ def prefill_from_pb(
 ) -> PrefillOrder:
     """The order, its fields checked (the regions against the request's own layout; whether
     they lie in the decode agent's buffer is the role's to check, with its transfer engine).
-    `via_store` (engine vllm): the prefill's KV reaches the decode node through the store, so
-    the decode agent and its regions are neither needed nor read."""
+    `via_store` (engine vllm): the decode node names its vLLM's cache (`decode_vllm`, with its
+    agent) or nothing (the KV goes through the store); the regions are neither needed nor
+    read."""
     prompt = tuple(msg.prompt_tokens)
     _prompt("prompt_tokens", prompt, model.vocab_size)
     _salt("cache_salt", msg.cache_salt)
@@ -232,8 +288,12 @@ def prefill_from_pb(
     except ValueError as err:
         raise BadField("hit_tokens", str(err)) from None
     path = _path(msg.read_path) if layout.hit_blocks else "none"
-    agent, metadata, hit, new = "", b"", None, None
-    if not via_store:
+    agent, metadata, hit, new, vllm = "", b"", None, None, None
+    if via_store:
+        vllm = _vllm_target(msg)
+        if vllm is not None:
+            agent, metadata = msg.decode_agent, bytes(msg.decode_agent_metadata)
+    else:
         if not msg.decode_agent:
             raise BadField("decode_agent", "is required (the decode worker's NIXL agent)")
         agent, metadata = msg.decode_agent, bytes(msg.decode_agent_metadata)
@@ -250,6 +310,7 @@ def prefill_from_pb(
         decode_hit=hit,
         decode_new=new,
         cache_salt=bytes(msg.cache_salt),
+        decode_vllm=vllm,
     )
 
 

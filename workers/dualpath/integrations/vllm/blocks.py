@@ -44,6 +44,13 @@ def new_matched_tokens(
     )
 
 
+def received_tokens(prompt_tokens: int) -> int:
+    """Tokens a receiver (decode) takes from the sender: the prompt but its last token, which
+    vLLM computes to sample the first output token (an async load of the whole prompt would be
+    cut to this by vLLM anyway)."""
+    return max(prompt_tokens - 1, 0)
+
+
 def completed_store_blocks(computed_before: int, computed_after: int, store_block: int) -> range:
     """Indices of the store blocks a step completes: those ending in (before, after]."""
     # block i ends at (i + 1) * store_block: in (before, after] iff before // sb <= i < after // sb

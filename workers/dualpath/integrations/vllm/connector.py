@@ -10,12 +10,13 @@ Loaded by module path, no vLLM change (docs/vllm.md):
 
 vLLM builds one instance per role: the scheduler half (`scheduler_side.SchedulerSide`) in its
 engine-core process, the worker half (`worker_side.WorkerSide`) in each worker process; this
-class only hands vLLM's hooks to them. `kv_connector_extra_config`:
-`config_file` (the DualPathCluster YAML: model, storage and its SNIC cap; default the embedded
-one), `storage` (the KV directory; default spec.storage.path), `node_id` (the read queue's and
-the KV event publisher's name), `scheduler` (host:port; empty: no KV events), and how it
-authenticates to the scheduler: `tls_dir` (the worker's mutual TLS directory: the connector
-speaks as its node) or `token_file` (the cluster token).
+class only hands vLLM's hooks to them. `kv_connector_extra_config` is
+`connector_config.ConnectorConfig` (the adapter writes it with the same class).
+
+A receiver's request (decode) is loaded asynchronously (`get_num_new_matched_tokens` answers
+`(n, True)`: vLLM parks it in WAITING_FOR_REMOTE_KVS) and reported received by
+`get_transfer_results` (its NIXL notification, or its deadline), failed blocks by
+`get_block_ids_with_load_errors` (docs/vllm.md, "The NIXL flow").
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from dualpath import config
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
 from dualpath.integrations.vllm.plan import StepPlan
 from dualpath.integrations.vllm.scheduler_side import SchedulerSide
 from dualpath.integrations.vllm.worker_side import WorkerSide, layer_index
@@ -82,8 +85,8 @@ class DualPathConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.cfg = config.load_or_default(extra.get("config_file") or None)
+        cc = ConnectorConfig.of(self._kv_transfer_config.kv_connector_extra_config)
+        self.cfg = config.load_or_default(cc.config_file or None)
         model = self.cfg.spec.model
         self.vllm_block = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
@@ -97,14 +100,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 lambda tokens, salt: block_ids(tokens, model, salt=salt),
             )
         else:
-            self._worker = WorkerSide(
-                self.cfg,
-                storage=extra.get("storage") or self.cfg.spec.storage.path,
-                node_id=extra.get("node_id") or "vllm",
-                scheduler=extra.get("scheduler") or "",
-                token_file=extra.get("token_file") or "",
-                tls_dir=extra.get("tls_dir") or "",
-            )
+            self._worker = WorkerSide(self.cfg, cc)
         log.info(
             "DualPathConnector (%s): model %s, vLLM block %d = %d store blocks of %d",
             role.name,
@@ -142,6 +138,10 @@ class DualPathConnector(KVConnectorBase_V1):
         self._worker.finish_loads()
         self._worker.wait_for_save()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # a receiver past its deadline is reported received, its failed blocks as load errors
+        return KVConnectorTransferResults(finished_recving=self._worker.finished_receiving())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -154,10 +154,11 @@ class DualPathConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else ([],)
+        self._scheduler.update_state_after_alloc(request, list(ids[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return DualPathMetadata(self._scheduler.build(scheduler_output))

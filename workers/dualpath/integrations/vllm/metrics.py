@@ -31,3 +31,22 @@ TURNS = Counter(
     "turns a vLLM decode node served, by the route's read path (prefill, decode, none)",
     ["path"],
 )
+TRANSFER_BYTES = Counter(
+    "dualpath_vllm_transfer_bytes_total",
+    "KV bytes moved over NIXL between vLLM instances, counted by the prefill instance that "
+    "moves them, by read path and direction (decode_to_prefill: path D's hit stream; "
+    "prefill_to_decode: the blocks the decode lacks)",
+    ["path", "direction"],
+)
+TRANSFERS_RECEIVED = Counter(
+    "dualpath_vllm_transfers_received_total",
+    "prompts a decode instance received over NIXL (the notification came in time), by path",
+    ["path"],
+)
+TRANSFER_FAILURES = Counter(
+    "dualpath_vllm_transfer_failures_total",
+    "NIXL transfers between vLLM instances that failed, by path and stage (read: the "
+    "prefill recomputed the hit; send: the prefill stopped sending; receive: no notification "
+    "by the deadline, the decode recomputed)",
+    ["path", "stage"],
+)

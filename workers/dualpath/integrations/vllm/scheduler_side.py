@@ -3,6 +3,13 @@
 It learns each request's hit from its route (`plan.Route`, from `Scheduler.Route`'s block
 index), in whole vLLM blocks (`blocks.py`), never by probing the store; and each step it plans
 the loads of newly allocated hits and the saves of the store blocks the step completes.
+
+Between instances (`plan.py`): a *receiver* (decode) answers the prompt but its last token,
+loaded asynchronously (vLLM allocates the blocks and parks the request until the worker half
+reports it received, then recomputes the last token), and plans one `RecvPlan` once the
+blocks are allocated; a *sender* (prefill) plans, on path D, its hit as a NIXL read from the
+decode's blocks, and, in the step that computes the prompt's last token, a `SendPlan` of the
+blocks the decode lacks (path D: from the hit's end; otherwise every prompt block).
 """
 
 from __future__ import annotations
@@ -13,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.integrations.vllm import blocks
-from dualpath.integrations.vllm.plan import PARAMS_KEY, LoadPlan, Route, SavePlan, StepPlan
+from dualpath.integrations.vllm.plan import (
+    PARAMS_KEY,
+    LoadPlan,
+    RecvPlan,
+    Route,
+    SavePlan,
+    SendPlan,
+    StepPlan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +44,8 @@ class _Request:
     load: tuple[int, int] | None = None  # tokens [start, end) to load, once allocated
     loaded_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    received: bool = False  # receiver: its one receive is planned (a preempted one recomputes)
+    received_tokens: int = 0
 
 
 class SchedulerSide:
@@ -38,6 +55,7 @@ class SchedulerSide:
         self.store_block = store_block
         self.block_ids = block_ids
         self._reqs: dict[str, _Request] = {}
+        self._recvs: list[RecvPlan] = []  # allocated receivers, for the next step's plan
 
     def _state(self, request: Any) -> _Request:
         st = self._reqs.get(request.request_id)
@@ -50,21 +68,71 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = _Request(request, route)
         return st
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens vLLM may take as computed, whether they arrive asynchronously)."""
         st = self._state(request)
         st.local_computed = num_computed_tokens
-        return blocks.new_matched_tokens(
+        if st.route.receive:
+            if st.received:  # received (or given up) once: a preempted request recomputes
+                return 0, False
+            n = blocks.received_tokens(request.num_prompt_tokens) - num_computed_tokens
+            return (n, True) if n > 0 else (0, False)
+        hit = blocks.new_matched_tokens(
             st.route.hit_tokens, request.num_prompt_tokens, num_computed_tokens, self.vllm_block
         )
+        return hit, False
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """`block_ids`: the request's vLLM blocks (its first KV cache group's)."""
         st = self._state(request)
-        if num_external_tokens > 0:
-            st.load = (st.local_computed, st.local_computed + num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        end = st.local_computed + num_external_tokens
+        if st.route.receive:
+            if not st.received:
+                st.received = True
+                st.received_tokens = end
+                self._recvs.append(self._recv(request.request_id, st, list(block_ids), end))
+            return
+        st.load = (st.local_computed, end)
+
+    def _recv(self, req_id: str, st: _Request, table: list[int], tokens: int) -> RecvPlan:
+        r = st.route
+        hit = None
+        if r.read_path == "decode":  # path D: this node reads the hit into its own blocks
+            n = blocks.usable_hit_tokens(
+                r.hit_tokens, st.request.num_prompt_tokens, self.vllm_block
+            )
+            if n:
+                sb = self.store_block
+                ids = self.block_ids(st.request.all_token_ids[:n], r.cache_salt)
+                hit = LoadPlan(
+                    req_id=req_id,
+                    path="decode",
+                    block_ids=ids[: n // sb],
+                    start=0,
+                    end=n,
+                    slots=blocks.slots(table, 0, n, self.vllm_block),
+                    block_table=table,
+                )
+        return RecvPlan(
+            req_id=req_id,
+            xfer_id=r.xfer_id,
+            path=r.read_path if r.hit_tokens else "none",
+            block_table=table,
+            tokens=tokens,
+            deadline_unix=r.deadline_unix,
+            hit=hit,
+        )
 
     def build(self, so: Any) -> StepPlan:
         """The step's plan from vLLM's SchedulerOutput."""
-        plan = StepPlan()
+        plan = StepPlan(recvs=self._recvs)
+        self._recvs = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -73,7 +141,9 @@ class SchedulerSide:
             if st.load is not None:
                 plan.loads.append(self._load(new.req_id, st))
             before = new.num_computed_tokens
-            self._save(plan, new.req_id, st, before, before + so.num_scheduled_tokens[new.req_id])
+            after = before + so.num_scheduled_tokens[new.req_id]
+            self._save(plan, new.req_id, st, before, after)
+            self._send(plan, new.req_id, st, before, after)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -87,23 +157,68 @@ class SchedulerSide:
             elif new_ids:
                 st.block_table.extend(new_ids[0])
             before = cached.num_computed_tokens[i]
-            self._save(plan, req_id, st, before, before + so.num_scheduled_tokens[req_id])
+            after = before + so.num_scheduled_tokens[req_id]
+            self._save(plan, req_id, st, before, after)
+            self._send(plan, req_id, st, before, after)
         return plan
 
     def _load(self, req_id: str, st: _Request) -> LoadPlan:
         start, end = st.load
         st.load = None
         st.loaded_tokens = end - start
-        sb = self.store_block
-        ids = self.block_ids(st.request.all_token_ids[:end], st.route.cache_salt)
+        sb, vb = self.store_block, self.vllm_block
+        r = st.route
+        if r.send_to is not None and r.read_path == "decode":
+            # path D between instances: the hit is in the decode's blocks, read over NIXL
+            first, last = start // vb, end // vb
+            return LoadPlan(
+                req_id=req_id,
+                path="decode",
+                block_ids=[],
+                start=start,
+                end=end,
+                slots=[],
+                block_table=list(st.block_table),
+                source=r.send_to,
+                local_blocks=list(st.block_table[first:last]),
+                remote_blocks=list(r.send_to.block_ids[first:last]),
+                deadline_unix=r.deadline_unix,
+            )
+        ids = self.block_ids(st.request.all_token_ids[:end], r.cache_salt)
         return LoadPlan(
             req_id=req_id,
-            path=st.route.read_path,
+            path=r.read_path,
             block_ids=ids[start // sb : end // sb],
             start=start,
             end=end,
-            slots=blocks.slots(st.block_table, start, end, self.vllm_block),
+            slots=blocks.slots(st.block_table, start, end, vb),
             block_table=list(st.block_table),
+        )
+
+    def _send(self, plan: StepPlan, req_id: str, st: _Request, before: int, after: int) -> None:
+        """A sender's step that computes the prompt's last token sends what the decode lacks
+        (a step that recomputes it after a failed load sends again: the worker half sends a
+        transfer once)."""
+        r, n = st.route, st.request.num_prompt_tokens
+        if r.send_to is None or not before < n <= after:
+            return
+        vb = self.vllm_block
+        first = (
+            blocks.usable_hit_tokens(r.hit_tokens, n, vb) // vb if r.read_path == "decode" else 0
+        )
+        last = min(-(-n // vb), len(r.send_to.block_ids), len(st.block_table))
+        if first >= last:
+            return
+        plan.sends.append(
+            SendPlan(
+                req_id=req_id,
+                xfer_id=r.xfer_id,
+                path=r.read_path if r.hit_tokens else "prefill",
+                target=r.send_to,
+                local_blocks=list(st.block_table[first:last]),
+                remote_blocks=list(r.send_to.block_ids[first:last]),
+                deadline_unix=r.deadline_unix,
+            )
         )
 
     def _save(self, plan: StepPlan, req_id: str, st: _Request, before: int, after: int) -> None:
@@ -136,5 +251,6 @@ class SchedulerSide:
                 "read_path": st.route.read_path if st.loaded_tokens else "none",
                 "loaded_tokens": st.loaded_tokens,
                 "route_hit_tokens": st.route.hit_tokens,
+                "received_tokens": st.received_tokens,
             }
         }

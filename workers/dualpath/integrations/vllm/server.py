@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.config import ClusterConfig
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
 
 CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
 # vLLM's CPU KV cache of one instance, GiB (VLLM_CPU_KVCACHE_SPACE): a small local cluster
@@ -31,23 +32,14 @@ class VllmCommand:
     env: dict[str, str]
 
 
-def kv_transfer_config(
-    config_file: str, storage: str, node_id: str, scheduler: str, token_file: str, tls_dir: str
-) -> dict:
+def kv_transfer_config(cc: ConnectorConfig) -> dict:
     """The connector line of a vLLM that serves DualPath (docs/vllm.md)."""
     return {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "config_file": config_file,
-            "storage": storage,
-            "node_id": node_id,
-            "scheduler": scheduler,
-            "token_file": token_file,
-            "tls_dir": tls_dir,
-        },
+        "kv_connector_extra_config": cc.to_extra_config(),
     }
 
 
@@ -63,26 +55,16 @@ def vllm_executable() -> str:
     return found
 
 
-def vllm_command(
-    cfg: ClusterConfig,
-    *,
-    config_file: str,
-    port: int,
-    storage: str,
-    node_id: str,
-    scheduler: str = "",
-    token_file: str = "",
-    tls_dir: str = "",
-) -> VllmCommand:
-    """`token_file`, `tls_dir`: how the connector authenticates to the scheduler (the worker's
-    own, `grpc_auth.auth_files`)."""
+def vllm_command(cfg: ClusterConfig, *, port: int, connector: ConnectorConfig) -> VllmCommand:
+    """`connector`: the connector's settings (its `token_file`, `tls_dir`: how it authenticates
+    to the scheduler, the worker's own, `grpc_auth.auth_files`)."""
     model = cfg.spec.model
     if not model.checkpoint_path:
         raise ValueError(
             "workers.engine vllm needs model.checkpointPath: write one with "
             "`dualpath model write --out DIR` (dualpath up --engine vllm does)"
         )
-    kv = kv_transfer_config(config_file, storage, node_id, scheduler, token_file, tls_dir)
+    kv = kv_transfer_config(connector)
     argv = [
         vllm_executable(),
         "serve",

@@ -12,6 +12,20 @@ layer; `wait_for_save` writes them with the store's writer (chained ids under th
 atomic, checksummed) and the store's KV events go to the scheduler's block index
 (`KvEventPublisher`, on a small event loop thread of its own), flushed before the step ends so
 the agent's next turn finds them.
+Between instances (`nixl.KvAgent` over vLLM's own cache, registered at start on both roles):
+- receiver (decode): a `RecvPlan` arrives once vLLM parked the request; path D reads the hit
+  through the read queue into the request's blocks on a thread of its own (only its blocks,
+  off the forward thread); then it is ready and the loopback rendezvous (`rendezvous.py`)
+  answers where to send. Each step `get_finished` polls NIXL notifications: the transfer's
+  id reports the request received; past its deadline (the prefill died, a transfer failed) it
+  is reported received with the blocks past its own hit as load errors, and vLLM recomputes
+  them (counted; never a hang, never a wrong answer).
+- sender (prefill): path D's hit is READ from the decode's blocks, every layer posted when the
+  forward starts and `wait_for_layer_load(l)` waiting for layer l (a failure recomputes the
+  hit, as a bad store block does); `save_kv_layer(l)` posts the WRITE of layer l's blocks the
+  decode lacks, and `wait_for_save` waits for them and then notifies the transfer's id. A step
+  whose load failed sends nothing (vLLM recomputes and the next step sends); nothing is sent
+  past the deadline less `plan.SEND_MARGIN_S`.
 """
 
 from __future__ import annotations
@@ -20,13 +34,25 @@ import asyncio
 import logging
 import re
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from dualpath.config import ClusterConfig
 from dualpath.integrations.vllm import blocks, cache, metrics
-from dualpath.integrations.vllm.plan import LoadPlan, SavePlan, StepPlan
+from dualpath.integrations.vllm.connector_config import ConnectorConfig
+from dualpath.integrations.vllm.plan import (
+    SEND_MARGIN_S,
+    LoadPlan,
+    RecvPlan,
+    SavePlan,
+    SendPlan,
+    StepPlan,
+)
+from dualpath.integrations.vllm.rendezvous import Ready, RendezvousError, RendezvousServer
+from dualpath.transfer.protocol import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +67,32 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
+POLL_S = 0.0005  # the notification poller's period while receivers wait
+SENT_MEMORY = 4096  # transfer ids a sender remembers having sent (never sends one twice)
+
+
 @dataclass
 class _Load:
     plan: LoadPlan
-    handle: object  # kv.queue.LayerReadHandle
+    handle: object  # kv.queue.LayerReadHandle (None: a NIXL read, `reads`)
     slots: torch.Tensor
     loaded_until: int  # tokens loaded in every layer so far (shrinks on a failure)
+    failed: bool = False
+    reads: dict[int, object] = field(default_factory=dict)  # layer -> NIXL READ handle
+    xfer_deadline_unix: float = 0.0  # the NIXL reads' (`_xfer_deadline`)
+
+
+@dataclass
+class _Recv:
+    plan: RecvPlan
+    ready: bool = False
+    hit_tokens: int = 0  # tokens of its own hit in the cache (path D), once ready
+
+
+@dataclass
+class _Send:
+    plan: SendPlan
+    writes: list = field(default_factory=list)  # NIXL WRITE handles, one per layer posted
     failed: bool = False
 
 
@@ -76,21 +122,25 @@ class _EventLoop:
 
 
 class WorkerSide:
-    def __init__(
-        self,
-        cfg: ClusterConfig,
-        storage: str,
-        node_id: str,
-        scheduler: str = "",
-        token_file: str = "",
-        tls_dir: str = "",
-    ) -> None:
+    def __init__(self, cfg: ClusterConfig, cc: ConnectorConfig) -> None:
         self.cfg = cfg
-        self.storage = storage
-        self.node_id = node_id
-        self.scheduler = scheduler
-        self.token_file = token_file
-        self.tls_dir = tls_dir
+        self.storage = cc.storage or cfg.spec.storage.path
+        self.node_id = cc.node_id
+        self.scheduler = cc.scheduler
+        self.token_file = cc.token_file
+        self.tls_dir = cc.tls_dir
+        self.rendezvous_port = cc.rendezvous_port
+        self.agent = None  # nixl.KvAgent, at register_kv_caches
+        self._rendezvous: RendezvousServer | None = None
+        self._cond = threading.Condition()  # guards _recvs (the rendezvous threads read it)
+        self._recvs: dict[str, _Recv] = {}
+        self._sends: list[_Send] = []
+        self._send_plan: StepPlan | None = None
+        self._sent: OrderedDict[str, None] = OrderedDict()
+        self._poller: threading.Thread | None = None
+        self._failed_loads: set[str] = set()  # requests whose load failed this step: no send
+        self._arrived: list[bytes] = []  # notifications the poller took, for the next step
+        self._closing = False
         self.store = None
         self.read_queue = None
         self._events = None
@@ -139,13 +189,21 @@ class WorkerSide:
         if self.scheduler:
             self._loop = _EventLoop()
             self._loop.run(self._start_publisher(), timeout_s=10.0)
+        from dualpath.integrations.vllm.nixl import KvAgent
+
+        self.agent = KvAgent(self.node_id, self._caches)
+        if self.rendezvous_port:
+            self._rendezvous = RendezvousServer(self.rendezvous_port, self.wait_ready)
         log.info(
-            "DualPath connector worker %s: %d layers, KV cache %s, store %s, scheduler %s",
+            "DualPath connector worker %s: %d layers, KV cache %s, store %s, scheduler %s, "
+            "NIXL agent %s, rendezvous %s",
             self.node_id,
             len(self._caches),
             tuple(t.shape),
             self.storage,
             self.scheduler or "none",
+            self.agent.name,
+            f"127.0.0.1:{self._rendezvous.port}" if self._rendezvous else "none",
         )
 
     async def _start_publisher(self) -> None:
@@ -168,6 +226,13 @@ class WorkerSide:
         ).start()
 
     def shutdown(self) -> None:
+        self._closing = True
+        if self._poller is not None:
+            self._poller.join(timeout=2.0)
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        if self.agent is not None:
+            self.agent.close()
         if self._loop is not None and self._publisher is not None:
             try:
                 self._loop.run(self._publisher.stop(), timeout_s=3.0)
@@ -182,12 +247,51 @@ class WorkerSide:
     # ---- loads --------------------------------------------------------------------------
 
     def start_load(self, plan: StepPlan) -> None:
+        for r in plan.recvs:
+            self._start_recv(r)
         self._loads = []
+        self._failed_loads = set()
         for p in plan.loads:
+            if p.source is not None:
+                self._loads.append(self._start_read(p))
+                continue
             handle = self.read_queue.submit(p.block_ids)
             slots = torch.tensor(p.slots, dtype=torch.int64)
             self._loads.append(_Load(p, handle, slots, p.end - p.start))
             metrics.LOADS.labels(path=p.path).inc()
+
+    def _xfer_deadline(self, plan_deadline_unix: float) -> float:
+        """A transfer's wait: a dead peer costs at most workers.transferDeadlineSeconds of the
+        forward thread, and nothing moves after the receiver's deadline less the margin."""
+        return min(
+            plan_deadline_unix - SEND_MARGIN_S,
+            time.time() + self.cfg.spec.workers.transfer_deadline_seconds,
+        )
+
+    def _start_read(self, p: LoadPlan) -> _Load:
+        """Path D on a prefill: post every layer's READ of the hit from the decode's blocks."""
+        ld = _Load(p, None, torch.empty(0, dtype=torch.int64), p.end - p.start)
+        ld.xfer_deadline_unix = self._xfer_deadline(p.deadline_unix)
+        try:
+            if time.time() > ld.xfer_deadline_unix:
+                raise TransferError("its deadline passed before the read started")
+            for layer in range(len(self._caches)):
+                ld.reads[layer] = self.agent.post(
+                    "READ", p.source, layer, p.local_blocks, p.remote_blocks
+                )
+        except TransferError as err:
+            self._read_failed(ld, err)
+        return ld
+
+    def _read_failed(self, ld: _Load, err: Exception) -> None:
+        for h in ld.reads.values():
+            self.agent.release(h)
+        ld.reads = {}
+        if not ld.failed:
+            metrics.TRANSFER_FAILURES.labels(path="decode", stage="read").inc()
+            log.warning("request %s: hit READ from %s failed: %s", ld.plan.req_id,
+                        ld.plan.source.agent, err)  # fmt: skip
+        self._shorten(ld, 0)
 
     def wait_for_layer(self, layer: int) -> None:
         """Block on `layer`'s read of every hit of this step, then copy it into the cache."""
@@ -196,6 +300,16 @@ class WorkerSide:
         kv_layer = self._caches[layer]
         for ld in self._loads:
             if ld.loaded_until == 0:
+                continue
+            if ld.plan.source is not None:  # a NIXL read: wait for this layer's
+                try:
+                    self.agent.wait(
+                        ld.reads.pop(layer),
+                        ld.xfer_deadline_unix,
+                        f"READ of layer {layer} from {ld.plan.source.agent}",
+                    )
+                except TransferError as err:
+                    self._read_failed(ld, err)
                 continue
             try:
                 # the valid prefix: shorter than planned when a block failed validation
@@ -219,6 +333,7 @@ class WorkerSide:
         ld.loaded_until = tokens // vb * vb  # p.start is a vLLM block boundary
         bad = blocks.failed_vllm_blocks(p.block_table, p.start + ld.loaded_until, p.end, vb)
         self._load_errors |= bad
+        self._failed_loads.add(p.req_id)
         if not ld.failed:
             ld.failed = True
             metrics.LOAD_FAILURES.labels(path=p.path).inc()
@@ -233,6 +348,15 @@ class WorkerSide:
 
     def finish_loads(self) -> None:
         for ld in self._loads:
+            if ld.plan.source is not None:
+                for h in ld.reads.values():  # layers vLLM did not wait for (none normally)
+                    self.agent.release(h)
+                if not ld.failed:
+                    nbytes = len(ld.plan.local_blocks) * self.agent.block_bytes * len(self._caches)
+                    metrics.TRANSFER_BYTES.labels(path="decode", direction="decode_to_prefill").inc(
+                        nbytes
+                    )
+                continue
             if not ld.failed:
                 tokens = ld.plan.end - ld.plan.start
                 metrics.HIT_TOKENS.labels(path=ld.plan.path).inc(tokens)
@@ -243,6 +367,140 @@ class WorkerSide:
                 metrics.HIT_TOKENS.labels(path=ld.plan.path).inc(ld.loaded_until)
             ld.handle.close()
         self._loads = []
+
+    # ---- receivers (decode) ------------------------------------------------------------
+
+    def _start_recv(self, r: RecvPlan) -> None:
+        rv = _Recv(r)
+        with self._cond:
+            self._recvs[r.xfer_id] = rv
+            if self._poller is None or not self._poller.is_alive():
+                self._poller = threading.Thread(
+                    target=self._poll_notifications, name="dualpath-nixl-poll", daemon=True
+                )
+                self._poller.start()
+        log.info(
+            "request %s: receiving %d prompt tokens over NIXL as %s (path %s, own hit %d)",
+            r.req_id,
+            r.tokens,
+            r.xfer_id,
+            r.path,
+            r.hit.end if r.hit else 0,
+        )
+        if r.hit is None:
+            self._set_ready(rv, 0)
+        else:  # off the forward thread: only this request's blocks, which vLLM holds parked
+            threading.Thread(
+                target=self._read_own_hit, args=(rv,), name="dualpath-hit", daemon=True
+            ).start()
+
+    def _read_own_hit(self, rv: _Recv) -> None:
+        """Path D: read the hit through this node's read queue into the request's blocks."""
+        from dualpath.kv.queue import KVLoadError
+
+        p = rv.plan.hit
+        n, vb = p.end, self._caches[0].shape[2]
+        metrics.LOADS.labels(path="decode").inc()
+        handle = None
+        try:
+            handle = self.read_queue.submit(p.block_ids)
+            slots = torch.tensor(p.slots, dtype=torch.int64)
+            for layer in range(len(self._caches)):
+                try:
+                    k, v = handle.layer_sync(layer)
+                except KVLoadError:
+                    n = 0
+                    break
+                n = min(n, k.shape[0] // vb * vb)
+                if n:
+                    cache.write_tokens(self._caches[layer], slots[:n], k[:n], v[:n])
+        except Exception as err:  # noqa: BLE001 (the receiver must become ready: no hit)
+            log.warning("request %s: hit read failed: %s", p.req_id, err)
+            n = 0
+        finally:
+            if handle is not None:
+                handle.close()
+        if n < p.end:
+            metrics.LOAD_FAILURES.labels(path="decode").inc()
+            log.warning("request %s: own hit ends at token %d of %d", p.req_id, n, p.end)
+        metrics.HIT_TOKENS.labels(path="decode").inc(n)
+        metrics.HIT_BYTES.labels(path="decode").inc(n * self.cfg.spec.model.kv_bytes_per_token)
+        self._set_ready(rv, n)
+
+    def _set_ready(self, rv: _Recv, hit_tokens: int) -> None:
+        with self._cond:
+            rv.hit_tokens, rv.ready = hit_tokens, True
+            self._cond.notify_all()
+
+    def wait_ready(self, xfer_id: str, timeout_s: float) -> Ready:
+        """The rendezvous' question (a server thread): wait until `xfer_id` is parked and its
+        own hit read, then where a sender writes it."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: (rv := self._recvs.get(xfer_id)) is not None and rv.ready, timeout_s
+            )
+            if not ok:
+                raise RendezvousError(
+                    f"transfer {xfer_id} not ready to receive within {timeout_s:.0f}s "
+                    "(vLLM has not parked the request, or it is gone)"
+                )
+            rv = self._recvs[xfer_id]
+            return Ready(self.agent.target(rv.plan.block_table), rv.hit_tokens)
+
+    def _poll_notifications(self) -> None:
+        """While receivers wait: poll NIXL, which also drives UCX progress for the transfers
+        a sender makes into (and, path D, out of) this cache; vLLM's steps are too sparse for
+        that while it decodes a batch. The agent's only user on a receiving instance."""
+        while not self._closing:
+            with self._cond:
+                if not self._recvs:
+                    self._poller = None
+                    return
+            got = self.agent.notifications()
+            if got:
+                with self._cond:
+                    self._arrived.extend(got)
+            time.sleep(POLL_S)
+
+    def finished_receiving(self) -> set[str]:
+        """vLLM request ids received this step: their notification came, or their deadline
+        passed (then the blocks past their own hit are load errors: vLLM recomputes them)."""
+        with self._cond:
+            if not self._recvs and not self._arrived:
+                return set()
+            arrived, self._arrived = self._arrived, []
+        done = set()
+        for msg in arrived:
+            xfer_id = msg.decode(errors="replace")
+            with self._cond:
+                rv = self._recvs.pop(xfer_id, None)
+            if rv is None:
+                log.warning("NIXL notification %r names no waiting transfer (late?)", xfer_id)
+                continue
+            done.add(rv.plan.req_id)
+            metrics.TRANSFERS_RECEIVED.labels(path=rv.plan.path).inc()
+            log.info("request %s: prompt KV received over NIXL (%s)", rv.plan.req_id, xfer_id)
+        now = time.time()
+        with self._cond:
+            # a receiver reading its own hit is never expired (its blocks are being written;
+            # the read queue's bounded reads end it)
+            late = [x for x, rv in self._recvs.items() if rv.ready and now > rv.plan.deadline_unix]
+            expired = [self._recvs.pop(x) for x in late]
+        vb = self._caches[0].shape[2] if self._caches else 1
+        for rv in expired:
+            p = rv.plan
+            bad = set(p.block_table[rv.hit_tokens // vb :])
+            self._load_errors |= bad
+            done.add(p.req_id)
+            metrics.TRANSFER_FAILURES.labels(path=p.path, stage="receive").inc()
+            log.warning(
+                "request %s: no KV from the prefill by its deadline (%s): %d vLLM blocks "
+                "recomputed",
+                p.req_id,
+                p.xfer_id,
+                len(bad),
+            )
+        return done
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -256,10 +514,79 @@ class WorkerSide:
         if self._save_plan is not plan:
             self._save_plan = plan
             self._saves = [_Save(p, torch.tensor(p.slots, dtype=torch.int64)) for p in plan.saves]
+            self._sends = [_Send(p) for p in plan.sends if p.xfer_id not in self._sent]
         for s in self._saves:
             s.layers[layer] = cache.read_tokens(kv_layer, s.slots)
+        for snd in self._sends:
+            self._send_layer(snd, layer)
+
+    def _load_failed(self, req_id: str) -> bool:
+        return req_id in self._failed_loads
+
+    def _send_layer(self, snd: _Send, layer: int) -> None:
+        p = snd.plan
+        if snd.failed or self._load_failed(p.req_id):  # a failed load: vLLM recomputes first
+            return
+        try:
+            if time.time() > p.deadline_unix - SEND_MARGIN_S:
+                raise TransferError("its deadline passed")
+            snd.writes.append(
+                self.agent.post("WRITE", p.target, layer, p.local_blocks, p.remote_blocks)
+            )
+        except TransferError as err:
+            self._send_failed(snd, err)
+
+    def _send_failed(self, snd: _Send, err: Exception) -> None:
+        snd.failed = True
+        for h in snd.writes:
+            self.agent.release(h)
+        snd.writes = []
+        self._remember_sent(snd.plan.xfer_id)  # the receiver recomputes; never sent twice
+        metrics.TRANSFER_FAILURES.labels(path=snd.plan.path, stage="send").inc()
+        log.warning("request %s: KV not sent to %s: %s", snd.plan.req_id, snd.plan.target.agent,
+                    err)  # fmt: skip
+
+    def _remember_sent(self, xfer_id: str) -> None:
+        self._sent[xfer_id] = None
+        while len(self._sent) > SENT_MEMORY:
+            self._sent.popitem(last=False)
+
+    def _finish_sends(self) -> None:
+        layers = len(self._caches)
+        for snd in self._sends:
+            p = snd.plan
+            deadline = self._xfer_deadline(p.deadline_unix)
+            if snd.failed or self._load_failed(p.req_id):
+                for h in snd.writes:  # vLLM recomputes; the recompute's step sends it all
+                    self.agent.release(h)
+                continue
+            try:
+                if len(snd.writes) != layers:
+                    raise TransferError(f"{len(snd.writes)} of {layers} layers posted")
+                while snd.writes:
+                    self.agent.wait(snd.writes.pop(0), deadline, f"WRITE to {p.target.agent}")
+                if time.time() > p.deadline_unix - SEND_MARGIN_S:
+                    raise TransferError("its deadline passed")
+                self.agent.notify(p.target, p.xfer_id.encode())
+            except TransferError as err:
+                self._send_failed(snd, err)
+                continue
+            self._remember_sent(p.xfer_id)
+            nbytes = len(p.local_blocks) * self.agent.block_bytes * layers
+            metrics.TRANSFER_BYTES.labels(path=p.path, direction="prefill_to_decode").inc(nbytes)
+            log.info(
+                "request %s: %d vLLM blocks x %d layers (%d bytes) sent to %s as %s",
+                p.req_id,
+                len(p.local_blocks),
+                layers,
+                nbytes,
+                p.target.agent,
+                p.xfer_id,
+            )
+        self._sends = []
 
     def wait_for_save(self) -> None:
+        self._finish_sends()  # first: the decode waits on them, the store does not
         written = 0
         layers = self.cfg.spec.model.layers
         for s in self._saves:
