@@ -302,3 +302,31 @@ async def test_a_receiver_vllm_refuses_fails_the_turn_without_waiting_or_a_prefi
     rv.close()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "400" in err.value.details()
     assert prefill.bodies == [] and decode.inflight == 0
+
+
+def test_metrics_dirs_of_dead_workers_are_removed_and_live_ones_kept(tmp_path):
+    """A SIGKILLed worker never runs `stop`: the next worker on the node removes its metrics
+    directory (a dead pid), never a live worker's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dualpath.worker.vllm import METRICS_DIR_PREFIX, metrics_dir
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = tmp_path / f"{METRICS_DIR_PREFIX}{gone.stdout.strip()}-abc"
+    live = tmp_path / f"{METRICS_DIR_PREFIX}{os.getppid()}-def"
+    other = tmp_path / "unrelated"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"x")
+    mine = metrics_dir(str(tmp_path))
+    assert not dead.exists()
+    assert live.exists() and other.exists()
+    assert Path(mine).name.startswith(f"{METRICS_DIR_PREFIX}{os.getpid()}-")

@@ -43,6 +43,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -102,6 +103,30 @@ async def _sse_data(response: httpx.Response):  # noqa: ANN202
         for line in lines:
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 yield line[6:]
+
+
+METRICS_DIR_PREFIX = "dualpath-vllm-metrics-"
+
+
+def metrics_dir(tmp: str | None = None) -> str:
+    """A fresh directory for this worker's vLLM metrics files, named by this process's pid;
+    those of workers no longer alive (a SIGKILL skips `stop`) are removed first."""
+    tmp = tmp or tempfile.gettempdir()
+    for old in Path(tmp).glob(f"{METRICS_DIR_PREFIX}*"):
+        pid = old.name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-", dir=tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def vllm_sampling(p: SamplingParams) -> dict:
@@ -203,7 +228,7 @@ class VllmWorker:
         self.exited = asyncio.Event()  # the vLLM child exited: the worker must exit too
         # vLLM's processes write their metrics here (fresh per worker process: a restarted
         # vLLM must not add its predecessor's counts); `/metrics` serves `registry`
-        self.metrics_dir = tempfile.mkdtemp(prefix=f"dualpath-vllm-metrics-{self.node_id}-")
+        self.metrics_dir = metrics_dir()
         self.registry = WithChildMetrics(self.metrics_dir)
 
     # ---- start ----------------------------------------------------------------------------
