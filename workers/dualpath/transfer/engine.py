@@ -31,7 +31,7 @@ import uuid
 from dualpath.log import quiet_nixl_logs
 from dualpath.transfer.base import TransferBase, TransferStats
 from dualpath.transfer.pool import BufferPool
-from dualpath.transfer.protocol import TransferError
+from dualpath.transfer.protocol import TransferError, release_leaked
 
 __all__ = ["NixlUnavailable", "TransferEngine", "TransferError", "TransferStats"]
 
@@ -175,14 +175,8 @@ class TransferEngine(TransferBase):
         return released
 
     def _retry_releases(self) -> None:
-        still = []
-        for h in self._leaked:
-            try:
-                self.agent.release_xfer_handle(h)
-            except Exception:
-                still.append(h)
-        self._leaked = still
-        self.stats.leaked_handles = len(still)
+        self._leaked = release_leaked(self.agent, self._leaked)
+        self.stats.leaked_handles = len(self._leaked)
 
     # ---- notifications -----------------------------------------------------------------------
 

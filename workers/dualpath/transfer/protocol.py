@@ -85,3 +85,15 @@ class KVTransfer(Protocol):
     async def aclose(self) -> None:
         """Fail the waits in progress, drop the peers, release the buffer (idempotent)."""
         ...
+
+
+def release_leaked(agent, handles: list) -> list:  # noqa: ANN001 (a nixl_agent)
+    """Retry releasing the NIXL transfer handles `agent` refused to release earlier (still in
+    flight, not cancellable then); the ones it still refuses, to retry again later."""
+    still = []
+    for h in handles:
+        try:
+            agent.release_xfer_handle(h)
+        except Exception:  # noqa: BLE001 (NIXL raises its own; kept for the next retry)
+            still.append(h)
+    return still

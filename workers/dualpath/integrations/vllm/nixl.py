@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from dualpath.integrations.vllm.plan import KvTarget
-from dualpath.transfer.protocol import TransferError
+from dualpath.transfer.protocol import TransferError, release_leaked
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +156,7 @@ class KvAgent:
             self._leaked.append(handle)
 
     def _retry_releases(self) -> None:
-        still = []
-        for h in self._leaked:
-            try:
-                self.agent.release_xfer_handle(h)
-            except Exception:
-                still.append(h)
-        self._leaked = still
+        self._leaked = release_leaked(self.agent, self._leaked)
 
     def _drop(self, agent: str) -> None:
         peer = self._peers.pop(agent, None)
