@@ -8,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from dualpath.local.faults import GEN_TOKENS, RECOVER_BAR_S, Client, Result, Row, table
+from dualpath.local.faults.client import GEN_TOKENS, Client, Result
+from dualpath.local.faults.report import RECOVER_BAR_S, Row, table
 
 
 def _client(handler, deadline_s: float = 2.0) -> Client:
@@ -119,7 +120,7 @@ def test_the_default_run_directory_gives_a_config_the_workers_accept(tmp_path, m
     from pathlib import Path
 
     from dualpath import config
-    from dualpath.local.faults import fault_config
+    from dualpath.local.faults.up import fault_config
 
     monkeypatch.chdir(tmp_path)
     res = fault_config(Path("out/faults/kv"))
@@ -145,7 +146,7 @@ async def test_a_wrong_streamed_answer_keeps_its_whole_story(tmp_path) -> None:
     """A streamed turn is judged on its token ids too (the same text from other ids is
     wrong), asks for the usage chunk, and a wrong one records its cached tokens, read path,
     nodes and both answers' token ids; a failed run keeps that evidence with the cluster log."""
-    from dualpath.local.faults import keep_evidence
+    from dualpath.local.faults.report import keep_evidence
 
     asked = []
 

@@ -77,6 +77,7 @@ def test_dualpath_faults_stops_its_rows_by_cancellation_on_a_stop_signal(
     import argparse
 
     from dualpath.local import faults
+    from dualpath.local.faults import runner
 
     stopped: list[str] = []
 
@@ -87,7 +88,7 @@ def test_dualpath_faults_stops_its_rows_by_cancellation_on_a_stop_signal(
         finally:  # where run_rows stops its cluster
             stopped.append(",".join(rows))
 
-    monkeypatch.setattr(faults, "run_rows", rows_then_signal)
+    monkeypatch.setattr(runner, "run_rows", rows_then_signal)
     args = argparse.Namespace(
         rows="decode-kill", quick=False, json=True, out=str(tmp_path), deadline=30.0
     )
