@@ -108,3 +108,34 @@ def test_a_nodes_vllm_connector_publishes_kv_events_for_its_node_only():
     assert "may not act for" in sched.problem(S + "KvEvents", d1, batch)
     # a role-wide certificate proves the role only: the scheduler's binding still holds
     assert "is bound to" in sched.problem(S + "KvEvents", ident("decode"), batch)
+
+
+def test_a_refusal_echoes_the_callers_values_clipped_with_their_size():
+    ic = IdentityInterceptor("scheduler", "c1", NodeBindings())
+    huge = "x" * 3_900_000
+    problem = ic.problem(
+        "/dualpath.v1.Scheduler/Register",
+        ident("decode", "decode-0"),
+        pb.RegisterRequest(node_id=huge),
+    )
+    assert problem is not None and len(problem) < 300
+    assert "(3900000 characters)" in problem
+
+
+def test_agent_names_are_matched_whole_not_by_prefix():
+    from dualpath.grpc_identity import is_agent_of
+
+    assert is_agent_of("decode-0", "decode-0")
+    assert is_agent_of("decode-0-4242-a1b2c3", "decode-0")
+    assert is_agent_of("decode-0-vllm-4242-a1b2c3", "decode-0")
+    for other in ("decode-0-evil", "decode-0-1-4242-a1b2c3", "decode-00", "decode-0-4242-a1b2c3x"):
+        assert not is_agent_of(other, "decode-0"), other
+
+
+def test_clip_states_the_size_of_what_it_cuts():
+    from dualpath.log import clip
+
+    assert clip("short") == "'short'"
+    cut = clip("y" * 10_000)
+    assert len(cut) < 100 and cut.endswith("... (10000 characters)")
+    assert clip(b"z" * 500).endswith("(500 bytes)")

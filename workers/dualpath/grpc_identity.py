@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Counter
 
+from dualpath.log import clip
 from dualpath.tls import Identity, peer_identity_of
 
 log = logging.getLogger(__name__)
@@ -60,14 +62,14 @@ class NodeBindings:
         """Bind `node_id` to `who` (or check it); the problem when another identity holds it."""
         held = self._by_node.setdefault(node_id, who.uri)
         if held != who.uri:
-            return f"node_id {node_id!r} is bound to {held}, not {who.uri}"
+            return f"node_id {clip(node_id)} is bound to {clip(held)}, not {clip(who.uri)}"
         return None
 
     def check(self, node_id: str, who: Identity) -> str | None:
         """Whether `who` may speak for `node_id` (registered by it, or not registered yet)."""
         held = self._by_node.get(node_id)
         if held is not None and held != who.uri:
-            return f"node_id {node_id!r} is bound to {held}, not {who.uri}"
+            return f"node_id {clip(node_id)} is bound to {clip(held)}, not {clip(who.uri)}"
         return None
 
     def __len__(self) -> int:
@@ -76,7 +78,7 @@ class NodeBindings:
 
 def own_node(who: Identity, node_id: str) -> str | None:
     if who.names_node and node_id != who.node:
-        return f"{who.uri} may not act for node_id {node_id!r}"
+        return f"{clip(who.uri)} may not act for node_id {clip(node_id)}"
     return None
 
 
@@ -99,16 +101,25 @@ def _register_role(who: Identity, request) -> str | None:  # noqa: ANN001
     name = pb.Role.Name(request.role) if request.role in pb.Role.values() else ""
     role = name.removeprefix("ROLE_").lower() if name not in ("", "ROLE_UNSPECIFIED") else None
     if role is not None and role != who.role:
-        return f"{who.uri} may not register a {role} node"
+        return f"{clip(who.uri)} may not register a {role} node"
     return None
 
 
 def _prefill_agent(who: Identity, request) -> str | None:  # noqa: ANN001
-    # a node's NIXL agent is named `<node id>-<pid>-<random>` (transfer.engine): its own only
+    # a node's NIXL agent is named `<node id>-<pid>-<random>` (transfer.engine): its own only,
+    # matched whole (a prefix match let `decode-0` name `decode-0-evil`'s agent)
     agent = request.decode_agent
-    if who.names_node and agent and agent != who.node and not agent.startswith(f"{who.node}-"):
-        return f"{who.uri} may not have KV sent to agent {agent!r}"
+    if who.names_node and agent and not is_agent_of(agent, who.node):
+        return f"{clip(who.uri)} may not have KV sent to agent {clip(agent)}"
     return None
+
+
+def is_agent_of(agent: str, node_id: str) -> bool:
+    """Whether `agent` is a NIXL agent name of node `node_id`: the node id itself, or
+    `<node id>-<pid>-<6 hex>` (`transfer.engine`) or `<node id>-vllm-<pid>-<6 hex>` (the vLLM
+    connector's `KvAgent`) -- matched whole, not by prefix."""
+    own = rf"{re.escape(node_id)}-(vllm-)?\d+-[0-9a-f]{{6}}"
+    return agent == node_id or re.fullmatch(own, agent) is not None
 
 
 def _node_id(msg) -> str:  # noqa: ANN001
@@ -167,7 +178,7 @@ class IdentityInterceptor(grpc.aio.ServerInterceptor):
         if who is None:
             return "no DualPath client certificate"
         if who.cluster != self.cluster:
-            return f"{who.uri} is of another cluster than {self.cluster!r}"
+            return f"{clip(who.uri)} is of another cluster than {self.cluster!r}"
         rule = RULES.get(method)
         if rule is None:
             return None
@@ -189,7 +200,14 @@ class IdentityInterceptor(grpc.aio.ServerInterceptor):
     # -- the shell ----------------------------------------------------------------------
     def _refuse(self, method: str, who: Identity | None, problem: str) -> Denied:
         REFUSED.labels(self.component, method.rsplit("/", 1)[-1]).inc()
-        log.warning("%s: refused %s from %s: %s", self.component, method, who, problem)
+        # `problem` echoes the caller's values clipped (`log.clip`): bounded under any input
+        log.warning(
+            "%s: refused %s from %s: %s",
+            self.component,
+            method,
+            clip(who.uri if who else None),
+            problem,
+        )
         return Denied(f"{method}: {problem}")
 
     def _check(self, method: str, context, message: object | None) -> Identity | None:  # noqa: ANN001

@@ -53,3 +53,18 @@ def quiet_nixl_logs() -> None:
     nixl_log.propagate = True
     if not os.environ.get("NIXL_LOG_LEVEL"):
         nixl_log.setLevel(logging.WARNING)
+
+
+CLIP_CHARS = 64  # of a caller's value echoed in a refusal or a log line
+
+
+def clip(value: object, limit: int = CLIP_CHARS) -> str:
+    """A caller's value as a refusal or a log line may echo it: its repr cut to `limit`
+    characters with its size stated (`'decode-0xxxx'... (3900000 characters)`), so what a
+    caller sends never sizes what is logged or sent back."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = len(value) if isinstance(value, str | bytes) else len(text)
+    unit = "bytes" if isinstance(value, bytes) else "characters"
+    return f"{text[:limit]}... ({size} {unit})"

@@ -119,6 +119,18 @@ async def test_a_decode_certificate_registers_its_own_node_only(ca, scheduler):
         await client.close()
 
 
+async def test_an_oversized_field_is_refused_by_its_bound_before_the_identity_check(ca, scheduler):
+    """Bounds before identity: a 1 MB node id under another node's certificate is refused
+    INVALID_ARGUMENT with a short message, never PERMISSION_DENIED echoing the id (a client
+    with default settings got RESOURCE_EXHAUSTED for the echo's size instead)."""
+    async with channel(scheduler, creds(ca, "decode-0"), server_role="scheduler") as ch:
+        stub = pb_grpc.SchedulerStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Register(_register("d" * (1 << 20)), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(err.value.details()) < 200, err.value.details()[:300]
+
+
 async def test_a_plaintext_or_foreign_client_is_refused(ca, scheduler, tmp_path):
     plain = grpc.aio.insecure_channel(scheduler)
     try:
@@ -173,6 +185,11 @@ async def test_prefill_only_from_a_decode_certificate_for_its_own_node(ca, prefi
         await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-0", "decode-1-42-ab")
         == DENIED
     )
+    for evil in ("decode-0-evil", "decode-0-4242-a1b2c3-evil", "decode-0-x-4242-a1b2c3"):
+        # the agent's name matched whole: a prefix of decode-0's shape names another agent
+        assert await _prefill_code(prefill_server, creds(ca, "decode-0"), "decode-0", evil) == (
+            DENIED
+        )
     assert await _prefill_code(prefill_server, creds(ca, "frontend"), "decode-0") == DENIED
     assert await _prefill_code(prefill_server, creds(ca, "prefill-0"), "prefill-0") == DENIED
     # a client that expects a decode server at this address refuses the prefill certificate

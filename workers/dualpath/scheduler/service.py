@@ -364,9 +364,10 @@ class SchedulerServer:
         # every call but health and reflection needs the cluster token or, under mutual TLS, an
         # identity that may make it (Register binds a node id to its caller's identity)
         self.server = grpc.aio.server(
+            # bounds first: an oversized field is refused before the identity check echoes it
             interceptors=[
-                *server_interceptors(token, "scheduler", bind_nodes=True),
                 BoundsInterceptor("scheduler"),
+                *server_interceptors(token, "scheduler", bind_nodes=True),
             ]
         )
         pb_grpc.add_SchedulerServicer_to_server(servicer, self.server)
