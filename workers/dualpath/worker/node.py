@@ -18,11 +18,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import grpc
-
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import Auth, connected
-from dualpath.grpc_auth import channel as token_channel
+from dualpath.grpc_auth import Auth
+from dualpath.grpc_channels import ChannelCache
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
@@ -77,21 +75,25 @@ def advertised_address(opts: NodeOptions, port: int) -> str:
     return f"{adv or opts.advertise_host or opts.host}:{port}"
 
 
-async def prefill_stub(
-    channels: dict[str, grpc.aio.Channel], address: str, auth: Auth | None
-) -> wpb_grpc.WorkerStub:
-    """A prefill node's stub (a decode node calls prefill nodes' Prefill only), its channel
-    kept in `channels` by address, once connected (a bounded wait: `connected`)."""
-    ch = channels.get(address)
-    if ch is None:
-        ch = channels[address] = token_channel(
-            address,
-            auth,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-            server_role="prefill",
-        )
-    await connected(ch)
-    return wpb_grpc.WorkerStub(ch)
+def prefill_channels(auth: Auth | None) -> ChannelCache:
+    """A decode node's channels to prefill nodes (it calls their Prefill only): by address,
+    closed when unreachable, idle, or their node left the cluster (`grpc_channels`)."""
+    return ChannelCache(
+        auth,
+        server_role="prefill",
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+    )
+
+
+async def live_addresses(registration: NodeRegistration) -> set[str] | None:
+    """The addresses of the nodes in the scheduler's view (None: not registered yet)."""
+    from dualpath.v1 import scheduler_pb2 as spb
+
+    agent = registration.agent
+    if agent is None or not agent.registered:
+        return None
+    view = await agent.stub.ClusterView(spb.ClusterViewRequest(), timeout=5)
+    return {n.address for n in view.nodes}
 
 
 class WorkerNode:
@@ -132,7 +134,7 @@ class WorkerNode:
         self.decode: DecodeRole | None = None
         self.kv_events: KvEventBuffer | None = None  # the store's (with a scheduler)
         self.registration = NodeRegistration(self)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefills = prefill_channels(opts.token)
         self._server: WorkerServer | None = None
         self.port = 0
 
@@ -149,6 +151,8 @@ class WorkerNode:
         self._server = WorkerServer(self, self.opts.token)
         self.port = await self._server.start(self.opts.host, self.opts.port)
         self.registration.start()
+        if self.role == Role.DECODE:
+            self._prefills.start_sweeper(lambda: live_addresses(self.registration))
         self.started = True
         log.info(
             "%s worker %s serving on %s (SNIC %s Gbps, KV buffer %d MiB, storage %s)",
@@ -197,8 +201,9 @@ class WorkerNode:
     # ---- helpers for the roles -------------------------------------------------------------
 
     async def worker_stub(self, address: str) -> wpb_grpc.WorkerStub:
-        """A prefill node's stub (`prefill_stub`), for the decode role."""
-        return await prefill_stub(self._channels, address, self.opts.token)
+        """A prefill node's stub, for the decode role (`grpc_channels.Unreachable` when it
+        does not connect)."""
+        return wpb_grpc.WorkerStub(await self._prefills.get(address))
 
     # ---- stop -------------------------------------------------------------------------------
 
@@ -220,8 +225,7 @@ class WorkerNode:
             await self.decode.stop()
         if self.prefill is not None:
             await self.prefill.stop()
-        for ch in self._channels.values():
-            await ch.close()
+        await self._prefills.close()
         if self.transfer is not None:
             await self.transfer.aclose()
         if self.read_queue is not None:

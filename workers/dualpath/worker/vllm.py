@@ -60,8 +60,9 @@ from dualpath.sampling import SamplingParams
 from dualpath.scheduler.policy.types import NodeLoad
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import worker_pb2 as wpb
+from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import FAILED_NODE_KEY
-from dualpath.worker.node import NodeOptions, advertised_address, prefill_stub
+from dualpath.worker.node import NodeOptions, advertised_address, prefill_channels
 from dualpath.worker.service import WorkerServer, WorkerServicer
 from dualpath.worker.wire import (
     PrefillOrder,
@@ -223,7 +224,7 @@ class VllmWorker:
         self._server: WorkerServer | None = None
         self._agent = None
         self._publisher = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefills = prefill_channels(opts.token)
         self._watch: asyncio.Task | None = None
         self.exited = asyncio.Event()  # the vLLM child exited: the worker must exit too
         # vLLM's processes write their metrics here (fresh per worker process: a restarted
@@ -417,7 +418,7 @@ class VllmWorker:
                 t.layer_addresses, t.block_bytes, t.block_ids, deadline_unix, xfer_id
             ),
         )
-        stub = await prefill_stub(self._channels, turn.prefill_address, self.opts.token)
+        stub = wpb_grpc.WorkerStub(await self._prefills.get(turn.prefill_address))
         call = stub.Prefill(
             prefill_to_pb(order), timeout=self.cfg.spec.workers.request_timeout_seconds
         )
@@ -522,8 +523,7 @@ class VllmWorker:
             await self._agent.stop()
         if self._server is not None:
             await self._server.stop(grace_s=1.0)
-        for ch in self._channels.values():
-            await ch.close()
+        await self._prefills.close()
         if self.http is not None:
             await self.http.aclose()
         if self.proc is not None and self.proc.returncode is None:
