@@ -24,6 +24,10 @@ class BufferFull(RuntimeError):
     """No contiguous region of the requested size is free (and none will be in time)."""
 
 
+class BufferTooSmall(BufferFull):
+    """The request needs more than the whole buffer: no wait, no retry makes room."""
+
+
 @dataclass(frozen=True)
 class Region:
     """`nbytes` of the pool at `offset`; `address` is what a peer's NIXL WRITE targets."""
@@ -85,7 +89,7 @@ class BufferPool:
     async def alloc_wait(self, nbytes: int, timeout_s: float) -> Region:
         """`alloc`, waiting up to `timeout_s` for other requests to free space."""
         if _round_up(nbytes) > self.nbytes:
-            raise BufferFull(
+            raise BufferTooSmall(
                 f"a request needs {nbytes} bytes of KV buffer but the whole buffer is "
                 f"{self.nbytes}; raise kvBufferBytes"
             )

@@ -14,6 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dualpath.grpc_auth import Auth, add_port, server_interceptors
 from dualpath.grpc_bounds import BoundsInterceptor, refuse
+from dualpath.grpc_channels import Unreachable
+from dualpath.log import clip
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
@@ -127,13 +129,29 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            log.warning("request %s failed: %s", request.request_id, err)
+            log.warning("request %s failed: %s", request.request_id, clip(str(err), 300))
             # which side failed, for the frontend's retry and the scheduler's breaker
-            culprit = request.prefill_node if isinstance(err, PrefillFailed) else n.node_id
+            on_prefill = isinstance(err, PrefillFailed | Unreachable)
+            culprit = request.prefill_node if on_prefill else n.node_id
             context.set_trailing_metadata(((FAILED_NODE_KEY, culprit),))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{n.node_id}: {err}")
+            await context.abort(generate_status(err), f"{n.node_id}: {err}")
         finally:
             n.inflight -= 1
+
+
+def generate_status(err: Exception) -> grpc.StatusCode:
+    """A failed Generate's status by its cause (docs/status-codes.md): RESOURCE_EXHAUSTED
+    when the turn's KV is larger than the whole buffer (capacity: only a larger buffer
+    serves it), FAILED_PRECONDITION when the prefill node it names does not connect (a bad
+    target; the frontend routes again, waiting for a restarting node), UNAVAILABLE for what
+    the same call may do once retried (a node that failed mid-turn, a buffer busy now)."""
+    from dualpath.transfer.pool import BufferTooSmall  # torch: the decode role's
+
+    if isinstance(err, BufferTooSmall):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(err, Unreachable):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.UNAVAILABLE
 
 
 class WorkerServer:
@@ -150,7 +168,8 @@ class WorkerServer:
         self.token = token
         component = f"{node.role.value}-worker"
         self.server = grpc.aio.server(
-            interceptors=[*server_interceptors(token, component), BoundsInterceptor(component)],
+            # bounds first: an oversized field is refused before the identity check echoes it
+            interceptors=[BoundsInterceptor(component), *server_interceptors(token, component)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

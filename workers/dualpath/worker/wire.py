@@ -14,11 +14,13 @@ string, bytes and repeated field are bounded before this, by `grpc_bounds` on th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from dualpath.config import ModelSpec
 from dualpath.grpc_bounds import MAX_PROMPT_TOKENS
 from dualpath.kv.ids import MAX_SALT_BYTES
+from dualpath.log import clip
 from dualpath.sampling import SamplingError, SamplingParams
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
@@ -177,6 +179,7 @@ def generate_from_pb(msg: wpb.GenerateRequest, model: ModelSpec) -> Turn:
     if msg.hit_tokens < 0:
         raise BadField("hit_tokens", f"must be >= 0; got {msg.hit_tokens}")
     _salt("cache_salt", msg.cache_salt)
+    _address("prefill_address", msg.prefill_address)
     return Turn(
         request_id=msg.request_id,
         session_id=msg.session_id,
@@ -369,6 +372,19 @@ def _prompt(field: str, prompt: tuple[int, ...], vocab_size: int) -> None:
 def _salt(field: str, salt: bytes) -> None:
     if len(salt) > MAX_SALT_BYTES:
         raise BadField(field, f"is {len(salt)} bytes; at most {MAX_SALT_BYTES}")
+
+
+# host:port, the host a name, IPv4 or [IPv6]: what a node registers (`advertised_address`)
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+
+
+def _address(field: str, address: str) -> None:
+    """A node's gRPC address as a decode worker dials it: a malformed one can never work
+    (INVALID_ARGUMENT, not the UNAVAILABLE a client would retry)."""
+    m = _ADDRESS.fullmatch(address)
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        shown = clip(address) if address else "empty"
+        raise BadField(field, f"must be a node's host:port; got {shown}")
 
 
 def _path(value: int) -> str:
