@@ -52,6 +52,13 @@ _ROUTE_TRANSIENT = frozenset(
     }
 )
 _ROUTE_RETRY_AFTER_S = 1.0
+# A turn failing before its first token: routed again up to MAX_ATTEMPTS times in all, within
+# RETRY_WINDOW_S of its start (a restarted worker serves again within a few seconds), backing
+# off from RETRY_BACKOFF_S, doubling up to MAX_BACKOFF_S.
+MAX_ATTEMPTS = 6
+RETRY_WINDOW_S = 30.0
+RETRY_BACKOFF_S = 0.25
+MAX_BACKOFF_S = 2.0
 # Deadline of one `Complete` (sent in the background): a scheduler down must not pile them up.
 COMPLETE_TIMEOUT_S = 5.0
 
@@ -75,7 +82,7 @@ class GrpcBackend:
         # registered by the app on its /metrics registry
         self.retries = Counter(
             "dualpath_frontend_retries_total",
-            "Turns that failed before their first token and were retried once on another pair",
+            "Turns routed again after failing before their first token (each attempt counted)",
             registry=None,
         )
         self.complete_failures = Counter(
@@ -126,15 +133,19 @@ class GrpcBackend:
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:
         """Route, then stream from the decode node. A turn that fails before its first chunk
-        is retried once on another pair (the failed nodes excluded); every routed attempt
-        ends with exactly one `Complete`, sent in the background (never delaying the client's
-        last chunk), also when the client goes away."""
+        is routed again, the failed node excluded while another of its role can take it, and
+        waited for (a restarting node) when it is the only one: up to `MAX_ATTEMPTS` within
+        `RETRY_WINDOW_S` (and the turn's deadline), backing off. Every routed attempt ends
+        with exactly one `Complete`, sent in the background (never delaying the client's last
+        chunk), also when the client goes away."""
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
         keys = pack_keys(block_keys(block_ids(req.prompt_ids, self.model, salt=req.cache_salt)))
         exclude: list[str] = []
         first_error = ""
-        for attempt in range(2):
-            rid = req.request_id if not attempt else f"{req.request_id}.retry"
+        loop = asyncio.get_running_loop()
+        retry_until = loop.time() + min(RETRY_WINDOW_S, self.timeout_s)
+        for attempt in range(MAX_ATTEMPTS):
+            rid = req.request_id if not attempt else f"{req.request_id}.retry{attempt}"
             try:
                 route = await self._route(req, rid, keys, exclude)
             except asyncio.CancelledError:
@@ -170,16 +181,25 @@ class GrpcBackend:
                 trailer = dict(err.trailing_metadata() or ())
                 failed = trailer.get(FAILED_NODE_KEY) or route.decode_node
                 error = f"decode {route.decode_node} Generate: {code.name}: {err.details()}"
-                if started or attempt or code not in _NODE_FAULTS:
+                backoff_s = min(RETRY_BACKOFF_S * 2**attempt, MAX_BACKOFF_S)
+                last = attempt + 1 == MAX_ATTEMPTS or loop.time() + backoff_s >= retry_until
+                # capacity (the turn's KV over the whole buffer) is retried once, not waited for
+                capacity = code == grpc.StatusCode.RESOURCE_EXHAUSTED and attempt > 0
+                if started or last or capacity or code not in _NODE_FAULTS:
                     raise BackendError(error) from None
                 self.retries.inc()
                 log.warning(
-                    "turn %s failed before its first token (%s): retrying once without %s",
+                    "turn %s failed before its first token (%s): attempt %d of %d in %.2fs, "
+                    "without %s if another node can take it",
                     req.request_id,
                     error,
+                    attempt + 2,
+                    MAX_ATTEMPTS,
+                    backoff_s,
                     failed,
                 )
                 exclude, first_error = [failed], error
+                await asyncio.sleep(backoff_s)
             except BackendError:
                 cancelled = False
                 raise
@@ -201,6 +221,11 @@ class GrpcBackend:
             )
         except grpc.aio.AioRpcError as err:
             code = err.code()
+            if exclude and code == grpc.StatusCode.FAILED_PRECONDITION:
+                # no pair without the failed node: it is the only one of its role (restarting,
+                # most likely); routed again with it, the scheduler waits for it to take turns
+                log.info("turn %s: no pair without %s; routing with it", rid, ", ".join(exclude))
+                return await self._route(req, rid, keys, [])
             # no node can take it now (queues or buffers full): 429, retry later; a scheduler
             # unreachable or restarting: 503, retry later; anything else: 503
             status = 429 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 503
