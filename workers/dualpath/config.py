@@ -757,6 +757,14 @@ class FrontendSpec(_Model):
     """Longest completion; at most maxContextTokens."""
     auth: FrontendAuthSpec = FrontendAuthSpec()
     """API keys and per-key rate limits; unset secretName: no keys required."""
+    header_timeout_seconds: int = Field(default=10, ge=1, le=3600)
+    """Time a client has to send a request's whole header (from its first byte): slower is
+    answered 408 and closed (a client cannot hold the front open with a slow header)."""
+    body_timeout_seconds: int = Field(default=60, ge=1, le=3600)
+    """Time a client has to send a request's whole body once its header is in: slower is
+    closed."""
+    max_connections: int = Field(default=4096, ge=1, le=1_000_000)
+    """Open HTTP connections per frontend process; one more is answered 503 and closed."""
 
     @field_validator("port")
     @classmethod

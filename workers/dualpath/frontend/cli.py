@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from dualpath.frontend.app import create_app
     from dualpath.frontend.auth import ApiKeys, ApiKeysError, default_keys_path
     from dualpath.frontend.backend import FakeBackend
+    from dualpath.frontend.http_guard import ConnectionLimits, dropped_counter, guarded_protocol
 
     name_process("frontend")
     cfg = config.load_or_default(args.file)
@@ -66,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         log.info("frontend: %d API keys from %s", len(keys), keys_path)
     app = create_app(cfg, backend, api_keys=keys)
+    fe = cfg.spec.frontend
+    limits = ConnectionLimits(
+        fe.header_timeout_seconds, fe.body_timeout_seconds, fe.max_connections
+    )
+    http = guarded_protocol(limits, dropped_counter(app.state.frontend.registry))
     print(f"READY frontend http={port}", flush=True)
-    uvicorn.run(app, host=args.host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=port, http=http, log_level="warning", access_log=False)
     return 0
