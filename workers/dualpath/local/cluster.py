@@ -22,6 +22,7 @@ operator's tools (`run_dir/tls/admin/`, `client_auth`); under token, a fresh tok
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -48,8 +49,14 @@ from dualpath.tls import LocalCA, TlsCredentials
 log = logging.getLogger(__name__)
 
 LOCAL_HOST = "127.0.0.1"
-# Many processes share this machine's cores: one torch thread each.
-LOCAL_WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+# Many processes share this machine's cores: one torch thread each. UCX (NIXL's transport)
+# on loopback and shared memory only: by default it listens on every interface, the
+# machine's external one included. Each is a default: the environment of `dualpath up` wins.
+LOCAL_WORKER_ENV = {"OMP_NUM_THREADS": "1", "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,sm,self"}
+
+
+def local_worker_env() -> dict[str, str]:
+    return {k: os.environ.get(k, v) for k, v in LOCAL_WORKER_ENV.items()}
 
 
 def with_overrides(cfg: ClusterConfig, **spec_paths: object) -> ClusterConfig:
@@ -146,7 +153,7 @@ def process_specs(
         )
         cmd = process_command(cfg, component, at)
         name = at.node_id or component.value
-        extra = LOCAL_WORKER_ENV if component.role else {}
+        extra = local_worker_env() if component.role else {}
         return ProcSpec(name, local_argv(cmd, log_level), env={**cmd.env, **extra}, **kw), at
 
     sched, at = spec(Component.SCHEDULER, ready_timeout_s=60, fork_restart=True)
@@ -257,7 +264,7 @@ class LocalCluster:
             if self.zygote:  # warm from now on: a crashed worker or scheduler restarts fast
                 from dualpath.local.zygote import Zygote
 
-                self.supervisor.zygote = Zygote(env=LOCAL_WORKER_ENV)
+                self.supervisor.zygote = Zygote(env=local_worker_env())
         except BaseException:
             self.supervisor.stop()
             raise

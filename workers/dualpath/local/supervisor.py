@@ -164,10 +164,25 @@ def process_tree(root: int) -> list[int]:
 TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "06": "TIME_WAIT", "0A": "LISTEN"}
 
 
-def tcp_sockets(pid: int) -> list[str]:
-    """The TCP sockets process `pid` holds, by state (`ESTABLISHED`, `SYN_SENT`, `LISTEN`,
-    or the kernel's hex code), from /proc: a channel's connection or connect attempt counts, a
-    pipe or socket pair does not."""
+def _proc_net_address(hex_addr: str) -> str:
+    """/proc/net/tcp{,6}'s `0100007F:1F90` as `127.0.0.1:8080` (IPv6 as `[...]:port`)."""
+    import ipaddress
+
+    host, port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    # the kernel prints each 32-bit word in host (little-endian) order
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    shown = f"[{ip}]" if ip.version == 6 else str(ip)
+    return f"{shown}:{int(port, 16)}"
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, str]]:
+    """The TCP sockets process `pid` holds: (state, local address) each, the state
+    `ESTABLISHED`, `SYN_SENT`, `LISTEN`... (else the kernel's hex code), from /proc: a
+    channel's connection or connect attempt counts, a pipe or socket pair does not."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -179,7 +194,7 @@ def tcp_sockets(pid: int) -> list[str]:
                 inodes.add(link[8:-1])
     except OSError:
         return []
-    states = []
+    found = []
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
@@ -188,8 +203,8 @@ def tcp_sockets(pid: int) -> list[str]:
         for line in lines:
             cols = line.split()
             if len(cols) > 9 and cols[9] in inodes:
-                states.append(TCP_STATES.get(cols[3], cols[3]))
-    return states
+                found.append((TCP_STATES.get(cols[3], cols[3]), _proc_net_address(cols[1])))
+    return found
 
 
 class Supervisor:

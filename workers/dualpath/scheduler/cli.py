@@ -63,8 +63,9 @@ async def serve(args: argparse.Namespace) -> None:
     server = build(
         cfg, args.policy, args.host, port, load_auth(args.token_file, args.tls_dir, "scheduler")
     )
+    # on the gRPC bind address: a pod's (0.0.0.0, for the kubelet), loopback locally
     obs = ObservabilityServer(
-        args.metrics_port, live=loop_liveness(asyncio.get_running_loop())
+        args.metrics_port, args.host, live=loop_liveness(asyncio.get_running_loop())
     ).start()
     await server.start()
     print(f"READY scheduler grpc={server.port} metrics={obs.port}", flush=True)

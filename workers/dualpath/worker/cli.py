@@ -99,8 +99,10 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         node = WorkerNode(cfg, opts)
         registry = REGISTRY
+    # /metrics and the probes on the gRPC bind address: a pod's (0.0.0.0, for the kubelet),
+    # loopback in a local cluster
     obs = ObservabilityServer(
-        args.metrics_port, health=node.health, live=node.live, registry=registry
+        args.metrics_port, args.host, health=node.health, live=node.live, registry=registry
     ).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
