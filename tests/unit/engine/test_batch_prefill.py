@@ -193,3 +193,32 @@ def test_a_batch_refuses_bad_requests(engine):
         engine.prefill_batch([(toks(3), 0, None), ([], 0, None)])
     with pytest.raises(ValueError, match="request 0 .*needs a source"):
         engine.prefill_batch([(toks(3), 8, None)])
+
+
+async def test_a_long_prefill_hands_the_compute_thread_back_between_layers(engine):
+    """Past its quantum a run yields at the next layer boundary: a short prefill queued behind
+    a long one finishes first, and the long one's output is bit-identical to a run without
+    yields."""
+    long_tokens, short_tokens = toks(1500, seed=1), toks(20, seed=2)
+    whole = engine.prefill(long_tokens)
+    whole.batch.quantum_s = float("inf")
+    expected = await whole.collect()
+    assert whole.batch.times.yields == 0
+
+    done: list[str] = []
+    sliced = engine.prefill(long_tokens)
+    sliced.batch.quantum_s = 0.0  # a yield after every layer
+
+    async def run(name, prefill):
+        out = await prefill.collect()
+        done.append(name)
+        return out
+
+    long_task = asyncio.create_task(run("long", sliced))
+    await asyncio.sleep(0)  # its first job is on the compute thread
+    short = await run("short", engine.prefill(short_tokens))
+    got = await long_task
+    assert done == ["short", "long"]
+    assert sliced.batch.times.yields == SPEC.layers - 1
+    assert_identical(expected, got)
+    assert short[1].shape[-1] == SPEC.vocab_size

@@ -62,6 +62,10 @@ from dualpath.engine.prefill import (
 log = logging.getLogger(__name__)
 
 BatchRequest = tuple[Sequence[int] | torch.Tensor, int, LayerSource | None]
+# A run's compute-thread time before it hands the thread back at the next layer boundary, so
+# a long prompt does not hold the queue of short ones for its whole prefill (a handoff costs
+# about half a millisecond)
+COMPUTE_QUANTUM_S = 0.05
 
 
 def check_request(
@@ -81,6 +85,7 @@ class BatchTimes:
     compute_s: float = 0.0  # compute-thread time of the whole batch
     wait_s: float = 0.0  # time the batch's compute waited for some member's hit KV
     total_s: float = 0.0
+    yields: int = 0  # times it handed the compute thread back between layers (its quantum)
 
 
 class BatchMember:
@@ -181,6 +186,7 @@ class BatchPrefillRun:
         self._h: list[torch.Tensor] = []  # per pack: its members' hidden rows, packed
         self._projected = False  # this layer's projections and self-attention are done
         self._waiting: BatchMember | None = None
+        self.quantum_s = COMPUTE_QUANTUM_S
 
     @property
     def new_tokens(self) -> int:
@@ -324,6 +330,12 @@ class BatchPrefillRun:
                     m.acc = m.new_kv = None
                 self._projected = False
                 self._layer += 1
+                if self._layer < n_layers and time.perf_counter() - t0 >= self.quantum_s:
+                    # a long run hands the compute thread back between layers: the jobs
+                    # queued behind it (other requests' prefills) run before its next layer
+                    self._waiting = None
+                    self.times.yields += 1
+                    return False
             for p, pack in enumerate(self.packs):
                 if not pack:
                     continue
@@ -370,7 +382,8 @@ class BatchPrefillRun:
         try:
             while not await loop.run_in_executor(self._executor, self._advance, feeds, emit):
                 m = self._waiting
-                assert m is not None
+                if m is None:  # it yielded its quantum: back in the compute queue at once
+                    continue
                 t0 = time.perf_counter()
                 try:
                     await self._wait_for_tile(m, feeds[m.index])
