@@ -196,7 +196,7 @@ def test_a_batch_refuses_bad_requests(engine):
 
 
 async def test_a_long_prefill_hands_the_compute_thread_back_between_layers(engine):
-    """Past its quantum a run yields at the next layer boundary: a short prefill queued behind
+    """Past its quantum a run yields (between key tiles, between layers): a short prefill queued behind
     a long one finishes first, and the long one's output is bit-identical to a run without
     yields."""
     long_tokens, short_tokens = toks(1500, seed=1), toks(20, seed=2)
@@ -207,7 +207,7 @@ async def test_a_long_prefill_hands_the_compute_thread_back_between_layers(engin
 
     done: list[str] = []
     sliced = engine.prefill(long_tokens)
-    sliced.batch.quantum_s = 0.0  # a yield after every layer
+    sliced.batch.quantum_s = 0.0  # a yield after every self-attention tile and layer
 
     async def run(name, prefill):
         out = await prefill.collect()
@@ -219,6 +219,6 @@ async def test_a_long_prefill_hands_the_compute_thread_back_between_layers(engin
     short = await run("short", engine.prefill(short_tokens))
     got = await long_task
     assert done == ["short", "long"]
-    assert sliced.batch.times.yields == SPEC.layers - 1
+    assert sliced.batch.times.yields >= SPEC.layers - 1
     assert_identical(expected, got)
     assert short[1].shape[-1] == SPEC.vocab_size

@@ -62,9 +62,9 @@ from dualpath.engine.prefill import (
 log = logging.getLogger(__name__)
 
 BatchRequest = tuple[Sequence[int] | torch.Tensor, int, LayerSource | None]
-# A run's compute-thread time before it hands the thread back at the next layer boundary, so
-# a long prompt does not hold the queue of short ones for its whole prefill (a handoff costs
-# about half a millisecond)
+# A run's compute-thread time before it hands the thread back (between two key tiles of its
+# self-attention, or two layers), so a long prompt does not hold the queue of short ones for
+# its whole prefill: chunked prefill (a handoff costs about half a millisecond)
 COMPUTE_QUANTUM_S = 0.05
 
 
@@ -85,7 +85,7 @@ class BatchTimes:
     compute_s: float = 0.0  # compute-thread time of the whole batch
     wait_s: float = 0.0  # time the batch's compute waited for some member's hit KV
     total_s: float = 0.0
-    yields: int = 0  # times it handed the compute thread back between layers (its quantum)
+    yields: int = 0  # times it handed the compute thread back (its quantum spent)
 
 
 class BatchMember:
@@ -300,9 +300,17 @@ class BatchPrefillRun:
                         for m, qm, km, vm in zip(
                             pack, q.split(rows), k.split(rows), v.split(rows), strict=True
                         ):
-                            m.acc, m.new_kv = model.self_attention(qm, km, vm), (km, vm)
+                            acc = model.self_attention(qm, km, vm, stepped=True)
+                            m.acc, m.new_kv = acc, (km, vm)
                             m.taken, m.complete = 0, False
                     self._projected = True
+                # the self-attention in key tiles: past its quantum the run hands the compute
+                # thread back between two of them (chunked prefill: a long prompt's layer does
+                # not hold the short prompts queued behind it)
+                for m in self._live():
+                    assert m.acc is not None
+                    if not m.acc.self_step(t0 + self.quantum_s):
+                        return self._yield()
                 for m in self._live():
                     if m.complete:
                         continue
@@ -331,11 +339,8 @@ class BatchPrefillRun:
                 self._projected = False
                 self._layer += 1
                 if self._layer < n_layers and time.perf_counter() - t0 >= self.quantum_s:
-                    # a long run hands the compute thread back between layers: the jobs
-                    # queued behind it (other requests' prefills) run before its next layer
-                    self._waiting = None
-                    self.times.yields += 1
-                    return False
+                    # and between layers: the jobs queued behind it run before its next one
+                    return self._yield()
             for p, pack in enumerate(self.packs):
                 if not pack:
                     continue
@@ -344,6 +349,12 @@ class BatchPrefillRun:
             return True
         finally:
             self.times.compute_s += time.perf_counter() - t0
+
+    def _yield(self) -> bool:
+        """Hand the compute thread back (its quantum is spent): `_run` queues the next job."""
+        self._waiting = None
+        self.times.yields += 1
+        return False
 
     # ---- the loop side ----------------------------------------------------------------------
 

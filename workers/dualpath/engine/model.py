@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +168,8 @@ class TiledAttention:
         self.max: torch.Tensor | None = None
         self.sum: torch.Tensor | None = None
         self.hit_tokens = 0  # pushed so far
+        self._self_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # begun, not done
+        self._self_at = 0  # the new tokens' key tiles attended to so far
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_tokens = 0
 
@@ -217,15 +220,36 @@ class TiledAttention:
 
     def add_self(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' own keys, causally (query i sees key <= i); first, before any hit."""
-        if self.out is not None:
+        self.begin_self(k, v)
+        self.self_step()
+
+    def begin_self(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`add_self` in steps (`self_step`): a long prompt's self-attention, the O(n^2) part
+        of its layer, in key tiles a caller can stop between (chunked prefill)."""
+        if self.out is not None or self._self_kv is not None:
             raise RuntimeError("add_self() comes before any hit tile (one fixed merge order)")
+        self._self_kv, self._self_at = (k, v), 0
+
+    def self_step(self, until: float = math.inf) -> bool:
+        """Attend to the new tokens' own key tiles left, one after another, until
+        `time.perf_counter()` passes `until` (at least one tile); True once all are done. The
+        tiles and their merge order are those of one `add_self`: the same bits."""
+        if self._self_kv is None:
+            return True
+        k, v = self._self_kv
         n = self.n
-        for a in range(0, n, self.tile):
+        while self._self_at < n:
+            a = self._self_at
             b = min(a + self.tile, n)
             # only queries a.. see any key of this tile, and each sees key a at least (no NaN)
             mask = torch.arange(a, b)[None, :] <= torch.arange(a, n)[:, None]
             (part,) = self._partials(self.q[:, :, a:], k[a:b], v[a:b], b - a, mask)
             self._merge(*part, a)
+            self._self_at = b
+            if b < n and time.perf_counter() >= until:
+                return False
+        self._self_kv = None
+        return True
 
     def result(self) -> torch.Tensor:
         """(n, heads * hd) fp32: the merged attention output."""
@@ -397,10 +421,16 @@ class Transformer(nn.Module):
         acc.push(hit_k, hit_v)
         return self.attend_tail(layer, h, acc)
 
-    def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TiledAttention:
-        """The new tokens' causal attention to themselves: what a layer can do before its hit."""
+    def self_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stepped: bool = False
+    ) -> TiledAttention:
+        """The new tokens' causal attention to themselves: what a layer can do before its hit
+        (`stepped`: begun only, its caller runs `self_step` to the end)."""
         acc = TiledAttention(q, self.spec.kv_heads, self.scale)
-        acc.add_self(k, v)
+        if stepped:
+            acc.begin_self(k, v)
+        else:
+            acc.add_self(k, v)
         return acc
 
     def attend_tail(self, layer: int, h: torch.Tensor, acc: TiledAttention) -> torch.Tensor:
