@@ -153,6 +153,14 @@ class GrpcBackend:
                 self._complete_later(rid, 0, False, True, "")
                 raise
             except BackendError as err:
+                backoff_s = min(RETRY_BACKOFF_S * 2**attempt, MAX_BACKOFF_S)
+                waiting = attempt + 1 < MAX_ATTEMPTS and loop.time() + backoff_s < retry_until
+                if first_error and err.retry_after_s is not None and waiting:
+                    # a retry's route refused for now (no node free yet: the failed one still
+                    # restarting): routed again after a pause, within the window
+                    log.info("turn %s: route refused (%s): again in %.2fs", rid, err, backoff_s)
+                    await asyncio.sleep(backoff_s)
+                    continue
                 if first_error:  # nowhere else to go: the turn's own failure is the answer
                     raise BackendError(
                         f"{first_error} (no retry: {err})", err.status, err.retry_after_s
