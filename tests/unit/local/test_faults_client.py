@@ -101,6 +101,20 @@ def test_a_row_misses_its_bars_on_any_loss_or_a_slow_recovery() -> None:
     assert "MISSED" in table([bad]) and "| ok |" in table([row])
 
 
+def test_a_503_is_counted_and_a_bar_where_a_restarted_worker_must_be_waited_for() -> None:
+    # a scheduler down answers 503 with Retry-After, as it should; a worker's restart must not
+    sched = Row("scheduler-kill", recover_s=1.0)
+    sched.add([Result("failed", status=503)])
+    sched.judge()
+    assert sched.unavailable == 1 and sched.bars == []
+    for fault in ("prefill-kill", "prefill-kills", "decode-kill"):
+        row = Row(fault, recover_s=1.0)
+        row.add([Result("ok"), Result("failed", status=503), Result("failed", status=429)])
+        row.judge()
+        assert (row.failed_clean, row.unavailable) == (2, 1) and row.bars == ["503=1"], fault
+    assert "| 503 |" in table([sched])
+
+
 async def test_a_wrong_answer_names_where_it_differs_and_what_served_it() -> None:
     c = _client(lambda request: _answer([5, 9, 7]))
     res = await c.turn(1)

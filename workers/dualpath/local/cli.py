@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+from dataclasses import replace
 
 from dualpath import config
+from dualpath.local.supervisor import RestartPolicy
 from dualpath.scheduler.policy import POLICY_NAMES
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the OpenAI API's port on 127.0.0.1 (default: a free one, printed in the READY line)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy().max_restarts,
+        help="crashes in a row (none a stable run) after which the cluster stops (default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--max-restart-delay",
+        type=float,
+        default=RestartPolicy().max_s,
+        help="the crash-loop backoff's longest wait before a restart, seconds (default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
         "--no-zygote",
         action="store_true",
         help="restart a crashed worker or scheduler as a fresh process, not as a fork of a "
@@ -71,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         storage_dir=args.storage_dir,
         zygote=not args.no_zygote,
         frontend_port=args.port,
+    )
+    cluster.supervisor.restart = replace(
+        cluster.supervisor.restart,
+        max_restarts=args.max_restarts,
+        max_s=args.max_restart_delay,
     )
     stop = cluster.supervisor.abort  # Ctrl-C during start aborts the start too
 

@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 RECOVER_BAR_S = {"decode-kill": 5.0, "prefill-kill": 5.0, "scheduler-kill": 10.0}
 
 MAX_EVIDENCE = 20  # bad answers kept per row
+# Rows where a client must see no 503: a restarted worker is waited for or another taken (a
+# scheduler down or an overload answers 503 with Retry-After, as it should)
+NO_503_ROWS = frozenset({"decode-kill", "prefill-kill", "prefill-kills"})
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Row:
     sent: int = 0
     succeeded: int = 0
     failed_clean: int = 0
+    unavailable: int = 0  # of failed_clean: answered 503
     lost: int = 0
     hung: int = 0
     wrong: int = 0
@@ -57,6 +61,7 @@ class Row:
                 self.wrong += r.wrong
             elif r.kind == "failed":
                 self.failed_clean += 1
+                self.unavailable += r.status == 503
             elif r.kind == "lost":
                 self.lost += 1
             elif r.kind == "hung":
@@ -70,6 +75,8 @@ class Row:
         for name in ("lost", "hung", "wrong", "empty", "bad_input_5xx"):
             if getattr(self, name):
                 self.bars.append(f"{name}={getattr(self, name)}")
+        if self.fault in NO_503_ROWS and self.unavailable:
+            self.bars.append(f"503={self.unavailable}")
         bar = RECOVER_BAR_S.get(self.fault)
         if bar is not None and (self.recover_s is None or self.recover_s > bar):
             self.bars.append(f"recover_s>{bar:g}")
@@ -96,6 +103,7 @@ COLUMNS = (
     ("sent", "sent"),
     ("ok", "succeeded"),
     ("failed clean", "failed_clean"),
+    ("503", "unavailable"),
     ("lost", "lost"),
     ("hung", "hung"),
     ("wrong", "wrong"),

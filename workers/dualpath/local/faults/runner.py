@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from dualpath.local.faults import bad_input, load, restarts, store
+from dualpath.local.faults import bad_input, holds, load, restarts, store
 from dualpath.local.faults.client import Client
 from dualpath.local.faults.report import Row, keep_evidence, table
 from dualpath.local.faults.suite import Suite
@@ -41,6 +41,11 @@ ROW_FNS: dict[str, RowFn] = {
     "overload": load.overload_row,
     "http-fuzz": bad_input.http_fuzz_row,
     "grpc-fuzz": bad_input.grpc_fuzz_row,
+    "oversized-refusals": holds.oversized_refusals_row,
+    "bad-prefill-addresses": holds.bad_prefill_addresses_row,
+    "prefill-kills": holds.prefill_kills_row,
+    "slow-clients": holds.slow_clients_row,
+    "long-prompt": holds.long_prompt_row,
     "sigint": restarts.sigint_row,  # stops the cluster: the last row
 }
 ROWS = tuple(ROW_FNS)

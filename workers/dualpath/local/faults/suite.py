@@ -76,13 +76,32 @@ class Suite:
         finally:
             await cl.close()
 
-    def worker_auth(self):  # noqa: ANN202
-        """A role-wide decode certificate of the run's CA (mTLS), else the run's credentials."""
+    def worker_auth(self, node: str | None = None):  # noqa: ANN202
+        """A decode certificate of the run's CA (mTLS): role-wide, or naming `node`; else the
+        run's credentials."""
         from dualpath.local.cluster import run_dir_auth
-        from dualpath.tls import LocalCA, TlsCredentials
+        from dualpath.tls import ANY_NODE, LocalCA, TlsCredentials
 
         tls = self.cl.run_dir / "tls"
         if not (tls / "ca").is_dir():
             return run_dir_auth(self.cl.run_dir)
         name = yaml.safe_load((self.cl.run_dir / "cluster.yaml").read_text())["metadata"]["name"]
-        return TlsCredentials(LocalCA(tls, name).issue_dir("fuzz", "decode"))
+        who = f"fuzz-{node}" if node else "fuzz"
+        return TlsCredentials(LocalCA(tls, name).issue_dir(who, "decode", node or ANY_NODE))
+
+    @property
+    def spec(self) -> dict:
+        """The cluster's spec as the suite wrote it (camelCase)."""
+        return yaml.safe_load(self.cl.cfg_file.read_text())["spec"]
+
+    async def node_address(self, name: str) -> str:
+        """A node's gRPC address, from the scheduler's view."""
+        from dualpath.local.cluster import run_dir_auth
+        from dualpath.scheduler.client import SchedulerClient
+
+        cl = SchedulerClient(self.cl.scheduler, 5.0, run_dir_auth(self.cl.run_dir))
+        try:
+            view = await cl.cluster_view()
+        finally:
+            await cl.close()
+        return next(n.address for n in view.nodes if n.node_id == name)

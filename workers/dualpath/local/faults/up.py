@@ -34,7 +34,12 @@ def fault_config(storage: Path, capacity_bytes: int = 64 << 20) -> dict:
     # admission: at most 24 turns in flight per node (the one prefill node: the cluster); an
     # overload burst beyond is refused with a 429 after the scheduler's queue timeout
     spec.setdefault("scheduler", {})["maxInFlightPerNode"] = 24
+    # slow HTTP clients are dropped after 3 s (the slow-clients row waits that long)
+    spec.setdefault("frontend", {})["headerTimeoutSeconds"] = 3
     return res
+
+
+RESTART_DELAY_S = 2.0
 
 
 class Cluster:
@@ -56,7 +61,10 @@ class Cluster:
         self._log = open(self.log_file, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dualpath.cli", "up", "-f", str(self.cfg_file)]
-            + ["--run-dir", str(self.run_dir), "--storage-dir", str(self.storage)],
+            + ["--run-dir", str(self.run_dir), "--storage-dir", str(self.storage)]
+            # a kill is answered by a restart within RESTART_DELAY_S, however many came
+            # before: the rows measure the cluster's answer to a kill, not the crash-loop backoff
+            + ["--max-restarts", "100", "--max-restart-delay", str(RESTART_DELAY_S)],
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
