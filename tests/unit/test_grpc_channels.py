@@ -86,3 +86,27 @@ async def test_channels_of_nodes_gone_from_the_cluster_are_closed(server):
     assert cache.keep_only({"10.0.0.9:7000"}) == [server]
     assert len(cache) == 0
     await cache.close()
+
+
+async def test_the_sweeper_closes_idle_channels_and_those_gone_from_the_view(server, monkeypatch):
+    import dualpath.grpc_channels as gc
+
+    monkeypatch.setattr(gc, "SWEEP_S", 0.05)
+    live = {server}
+
+    async def view():
+        return set(live)
+
+    cache = ChannelCache(None)
+    await cache.get(server)
+    cache.start_sweeper(view)
+    await asyncio.sleep(0.2)
+    assert server in cache  # in the view and not idle: kept
+    live.clear()  # its node left the cluster
+    for _ in range(100):
+        if server not in cache:
+            break
+        await asyncio.sleep(0.05)
+    assert server not in cache
+    await cache.close()  # stops the sweeper too
+    assert cache._sweeper is None

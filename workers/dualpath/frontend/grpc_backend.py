@@ -207,12 +207,12 @@ class GrpcBackend:
                     failed,
                 )
                 exclude, first_error = [failed], error
-                await asyncio.sleep(backoff_s)
             except BackendError:
                 cancelled = False
                 raise
             finally:
                 self._complete_later(route.request_id, generated, ok, cancelled, failed)
+            await asyncio.sleep(backoff_s)  # the failed attempt completed first (its slot freed)
 
     async def _route(self, req: TurnRequest, rid: str, keys: bytes, exclude: list[str]):
         try:

@@ -267,6 +267,8 @@ class VllmWorker:
         self.port = await self._server.start(self.opts.host, self.opts.port)
         if self.opts.scheduler:
             await self._register(storage)
+        if self.role is Role.DECODE:  # its channels to prefill nodes: idle ones closed
+            self._prefills.start_sweeper()
         self.started = True
         log.info("%s worker %s (vLLM) serving on %s", self.role.value, self.node_id, self.address)
         return self
