@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 from dualpath import IMAGE_REPOSITORY, __version__, config, default_image
 from dualpath.process import ENTRY_POINT
 from dualpath_operator.builders import render
 from dualpath_operator.builders.pods import NON_ROOT_UID, TMP_MOUNT
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "build-image.sh"
@@ -250,6 +250,20 @@ def test_a_team_names_its_own_image_and_builder(tmp_path):
     assert res.returncode == 0, res.stderr
     (call,) = log.read_text().splitlines()  # no push without PUSH=1
     assert call.startswith("build ") and "-t registry.example.com/ml/dualpath:abc" in call
+
+
+def test_builder_may_be_any_command_with_dockers_arguments(tmp_path):
+    log = tmp_path / "log"
+    bin_dir = _bin(tmp_path, podman=FAKE)
+    wrapper = tmp_path / "my-builder"  # a path, not one of the known names
+    wrapper.write_text(f"#!/bin/sh\n{FAKE}\n")
+    wrapper.chmod(0o755)
+    res = _build(bin_dir, LOG=str(log), BUILDER=f"{wrapper}")
+    assert res.returncode == 0, res.stderr
+    (call,) = log.read_text().splitlines()
+    assert call.startswith("build -f ")
+    missing = _build(bin_dir, LOG=str(log), BUILDER="no-such-builder")
+    assert missing.returncode == 2 and "'no-such-builder' is not a command here" in missing.stderr
 
 
 def test_the_script_is_what_make_image_runs():

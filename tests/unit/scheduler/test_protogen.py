@@ -14,9 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import __version__ as protobuf_version
-
 from dualpath import protogen
+from google.protobuf import __version__ as protobuf_version
 
 COMMITTED = protogen.OUT_DIR / "dualpath" / "v1"
 
@@ -58,7 +57,9 @@ def test_generated_stubs_match_the_protos(tmp_path: Path):
 
 def test_a_changed_message_is_stale_but_a_new_version_stamp_is_not():
     text = (COMMITTED / "scheduler_pb2_grpc.py").read_text()
-    restamped = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '9.9.9'", text)
+    restamped = re.sub(
+        r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '9.9.9'", text
+    )
     assert restamped != text and without_stamps(restamped) == without_stamps(text)
     renamed = text.replace("/dualpath.v1.Scheduler/Route", "/dualpath.v1.Scheduler/Routed")
     assert renamed != text and without_stamps(renamed) != without_stamps(text)
