@@ -18,8 +18,8 @@ from prometheus_client import Counter
 
 from dualpath.config import ClusterConfig
 from dualpath.frontend.backend import BackendError, Event, Finished, Routed, Tokens, TurnRequest
-from dualpath.grpc_auth import Auth, connected
-from dualpath.grpc_auth import channel as token_channel
+from dualpath.grpc_auth import Auth
+from dualpath.grpc_channels import ChannelCache, Unreachable
 from dualpath.kv.ids import block_ids, block_keys
 from dualpath.scheduler.index import pack_keys
 from dualpath.scheduler.policy.types import RouteRequest
@@ -77,7 +77,8 @@ class GrpcBackend:
         self.scheduler_address = scheduler_address
         self.timeout_s = timeout_s
         self._sched = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # to decode nodes, by address: closed when unreachable, idle or gone from the cluster
+        self._decodes = ChannelCache(token, server_role="decode")
         self._completing: set[asyncio.Task] = set()
         # registered by the app on its /metrics registry
         self.retries = Counter(
@@ -96,13 +97,16 @@ class GrpcBackend:
         from dualpath.scheduler.client import SchedulerClient
 
         self._sched = SchedulerClient(self.scheduler_address, timeout_s=30.0, token=self.token)
+        self._decodes.start_sweeper(self._live_addresses)
+
+    async def _live_addresses(self) -> set[str]:
+        assert self._sched is not None
+        return {n.address for n in (await self._sched.cluster_view()).nodes}
 
     async def close(self) -> None:
         if self._completing:  # the last turns' Complete calls, within their own deadline
             await asyncio.wait(list(self._completing), timeout=COMPLETE_TIMEOUT_S)
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._decodes.close()
         if self._sched is not None:
             await self._sched.close()
 
@@ -122,13 +126,15 @@ class GrpcBackend:
         return True, f"{len(view.nodes)} nodes, policy {view.policy}"
 
     async def _worker(self, address: str):
-        """The worker's stub, once its channel is connected (a bounded wait: `connected`)."""
+        """The decode node's stub, once its channel is connected (a bounded wait); one that
+        does not connect fails as its call would (UNAVAILABLE: the turn is routed again)."""
         from dualpath.v1 import worker_pb2_grpc
 
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = token_channel(address, self.token, server_role="decode")
-        await connected(ch)
+        try:
+            ch = await self._decodes.get(address)
+        except Unreachable as err:
+            md = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, md, md, str(err)) from None
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:
