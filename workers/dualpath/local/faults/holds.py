@@ -141,8 +141,19 @@ async def bad_prefill_addresses_row(s: Suite) -> Row:
             res.end_s = time.monotonic()
             row.add([res], bad_input=True)
 
-        for wave in range(1, 101, 25):
-            await asyncio.gather(*(call(p) for p in range(wave, wave + 25)))
+        during: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                during.append(_connections(pid))
+                await asyncio.sleep(0.2)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            for wave in range(1, 101, 25):
+                await asyncio.gather(*(call(p) for p in range(wave, wave + 25)))
+        finally:
+            sampler.cancel()
     took = time.monotonic() - t0
     series: list[tuple[float, int, float]] = []
     t_calls = time.monotonic()
@@ -157,12 +168,12 @@ async def bad_prefill_addresses_row(s: Suite) -> Row:
             break
         await asyncio.sleep(1.0)
     row.add([await s.c.turn(i) for i in s.ref_ids[:4]])
-    peak = max(n for _, n, _ in series)
+    peak = max(during, default=0)
     last = series[-1]
     shown = " ".join(f"{at:.0f}s:{n}/{c:g}" for at, n, c in series[:8])
     row.note = (
         f"100 bad addresses in {took:.1f}s: {_codes(codes)}; decode-0 sockets/channels "
-        f"baseline {base_sockets}/{base_channels:g}, peak sockets {peak}, "
+        f"baseline {base_sockets}/{base_channels:g}, peak sockets during the calls {peak}, "
         f"{last[1]}/{last[2]:g} at {last[0]:.0f}s"
         + (f", back to baseline {settled_s:.0f}s after" if settled_s is not None else "")
         + f" [{shown}]; then 4 good turns"
