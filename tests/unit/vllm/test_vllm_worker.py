@@ -181,7 +181,9 @@ async def pair(tmp_path):
 
     def ready(xfer_id: str, timeout_s: float) -> Ready:
         asked.append(xfer_id)
-        return Ready(KvTarget("decode-0-vllm-1", b"meta", (1 << 20, 2 << 20), 512, (3, 4, 5)), 0)
+        return Ready(
+            KvTarget("decode-0-vllm-4242-a1b2c3", b"meta", (1 << 20, 2 << 20), 512, (3, 4, 5)), 0
+        )
 
     rv = RendezvousServer(0, ready)
     workers["decode-0"].rendezvous_port = rv.port
@@ -191,8 +193,7 @@ async def pair(tmp_path):
     finally:
         rv.close()
         for w in workers.values():
-            for ch in w._channels.values():
-                await ch.close()
+            await w._prefills.close()
             await w.http.aclose()
         for s in servers:
             await s.stop(grace_s=0.1)
@@ -235,7 +236,9 @@ async def test_a_turn_over_mtls_claims_its_route_on_both_nodes_and_samples_as_as
         "turn-1",
     )
     assert (send.xfer_id, send.deadline_unix) == (recv.xfer_id, recv.deadline_unix)
-    assert send.send_to == KvTarget("decode-0-vllm-1", b"meta", (1 << 20, 2 << 20), 512, (3, 4, 5))
+    assert send.send_to == KvTarget(
+        "decode-0-vllm-4242-a1b2c3", b"meta", (1 << 20, 2 << 20), 512, (3, 4, 5)
+    )
     assert {k: dbody.get(k) for k in ("max_tokens", "temperature", "seed", "top_k")} == {
         "max_tokens": 3,
         "temperature": 0.5,
