@@ -330,7 +330,7 @@ async def test_a_refused_hit_keeps_the_decode_regions_held_when_a_write_may_stil
 async def test_a_prefill_node_that_is_down_fails_the_turn_naming_it(cluster):
     prefill, decode, store, _ = cluster
     await prefill.stop()
-    with pytest.raises(PrefillFailed, match=r"prefill worker prefill-0 \(.*\): UNAVAILABLE"):
+    with pytest.raises(PrefillFailed, match=r"prefill worker prefill-0 \(.*\): unreachable"):
         await _generate(decode, _request(prefill, "down", [5] * 20, 0, "none"))
     assert await _all_regions_back(decode)
 

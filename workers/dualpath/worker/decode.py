@@ -31,6 +31,7 @@ import torch
 
 from dualpath.config import ModelSpec
 from dualpath.engine import CacheFullError, Engine
+from dualpath.grpc_channels import Unreachable
 from dualpath.kv import KVLoadError, block_ids
 from dualpath.kv.protocol import BlockStore
 from dualpath.kv.queue import ReadQueue
@@ -57,6 +58,10 @@ log = logging.getLogger(__name__)
 
 class PrefillFailed(RuntimeError):
     pass
+
+
+class PrefillUnreachable(PrefillFailed):
+    """The prefill node a turn names did not connect: a bad target (FAILED_PRECONDITION)."""
 
 
 # Codes a client call ends with on its own side: the peer may still be running.
@@ -346,7 +351,12 @@ class DecodeRole:
                     raise KVLoadError(valid, handle.failed)
             new_region = await transfer.pool.alloc_wait(layout.new_bytes, deadline_s)
             regions.append(new_region)
-            stub = await self.worker_stub(req.prefill_address)
+            try:
+                stub = await self.worker_stub(req.prefill_address)
+            except Unreachable as err:
+                raise PrefillUnreachable(
+                    f"prefill worker {req.prefill_node} ({req.prefill_address}): unreachable: {err}"
+                ) from None
             ex.started = True
             order = PrefillOrder(
                 request_id=rid,

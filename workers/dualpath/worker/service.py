@@ -146,10 +146,11 @@ def generate_status(err: Exception) -> grpc.StatusCode:
     target; the frontend routes again, waiting for a restarting node), UNAVAILABLE for what
     the same call may do once retried (a node that failed mid-turn, a buffer busy now)."""
     from dualpath.transfer.pool import BufferTooSmall  # torch: the decode role's
+    from dualpath.worker.decode import PrefillUnreachable
 
     if isinstance(err, BufferTooSmall):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(err, Unreachable):
+    if isinstance(err, Unreachable | PrefillUnreachable):
         return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.UNAVAILABLE
 
