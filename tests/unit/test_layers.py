@@ -170,7 +170,6 @@ def describe_circle(graph, circle: list[str]) -> str:
 
 # Today's circles (issue 38 breaks them one by one; the list goes when it is empty).
 CIRCLES_LEFT = [
-    ["dualpath.scheduler.policy.pools", "dualpath.scheduler.policy.types"],
     [
         "dualpath.worker.drain",
         "dualpath.worker.node",
