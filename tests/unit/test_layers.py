@@ -177,7 +177,6 @@ CIRCLES_LEFT = [
         "dualpath.worker.registration",
         "dualpath.worker.service",
     ],
-    ["dualpath_operator.phases", "dualpath_operator.reconcile"],
 ]
 
 
