@@ -168,18 +168,6 @@ def describe_circle(graph, circle: list[str]) -> str:
     return f"{len(circle)} files:\n" + "\n".join(arrows)
 
 
-# Today's circles (issue 38 breaks them one by one; the list goes when it is empty).
-CIRCLES_LEFT = [
-    [
-        "dualpath.worker.drain",
-        "dualpath.worker.node",
-        "dualpath.worker.parts",
-        "dualpath.worker.registration",
-        "dualpath.worker.service",
-    ],
-]
-
-
 def test_no_circles_between_files():
     """No two files import each other, directly or round a longer loop: the house has floors.
     The graph counts every import statement, in a function or under TYPE_CHECKING too (a circle
@@ -192,7 +180,7 @@ def test_no_circles_between_files():
         "dualpath", "dualpath_operator", exclude_type_checking_imports=False, cache_dir=None
     )
     circles = import_circles(graph)
-    assert circles == CIRCLES_LEFT, "circles between files:\n" + "\n".join(
+    assert circles == [], "circles between files:\n" + "\n".join(
         describe_circle(graph, c) for c in circles
     )
 
