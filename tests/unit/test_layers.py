@@ -245,6 +245,13 @@ def _loaded_by_name(graph) -> list[tuple[str, str]]:
     return arrows
 
 
+def test_the_zygote_alone_loads_a_module_by_name():
+    """Modules import each other with import statements (the arrows the checks above see); the
+    one module loaded by a name string is `dualpath.cli`, by the zygote that forks the local
+    workers, the drawing's one arrow up."""
+    assert _loaded_by_name(build_graph()) == [("dualpath.local.zygote", "dualpath.cli")]
+
+
 def draw() -> str:
     """The house as rooms (each top-level module or folder of `dualpath`; the operator is one)
     on floors (a room's floor: the longest way down its arrows), top floor first, with the count
@@ -265,17 +272,18 @@ def draw() -> str:
 
     def floor_of(r: str) -> int:
         if r not in floor:
+            floor[r] = 0  # ends a circle between rooms (none: acyclic_siblings, the test above)
             floor[r] = 1 + max((floor_of(b) for a, b in arrows if a == r), default=-1)
         return floor[r]
 
     for r in sorted({room(m) for m in graph.modules}):
         floor_of(r)
-    files = sum(
+    file_arrows = sum(
         len(graph.find_modules_directly_imported_by(m) & graph.modules) for m in graph.modules
     )
     lines = [
         f"{len(floor)} rooms on {max(floor.values()) + 1} floors, {len(arrows)} arrows between "
-        f"rooms; {len(graph.modules)} files, {files} arrows between files, "
+        f"rooms; {len(graph.modules)} files, {file_arrows} arrows between files, "
         f"{len(import_circles(graph))} circles between files",
     ]
     for f in range(max(floor.values()), -1, -1):
