@@ -199,13 +199,22 @@ def build_graph():
     )
 
 
+def add_loaded_by_name(graph) -> list[tuple[str, str]]:
+    """The arrows `_loaded_by_name` finds, added to `graph`; returns them."""
+    arrows = _loaded_by_name(graph)
+    for a, b, line in arrows:
+        graph.add_import(importer=a, imported=b, line_number=line, line_contents="import_module")
+    return [(a, b) for a, b, _ in arrows]
+
+
 def test_no_circles_between_files():
     """No two files import each other, directly or round a longer loop: the house has floors.
     The graph counts every import statement, in a function or under TYPE_CHECKING too (a circle
-    of type hints is still a circle to the reader); only a module loaded by name at run time (the
-    zygote's `dualpath.cli`) is not an arrow. `make lint` checks the running imports the same way
-    (the acyclic_siblings contract in pyproject.toml)."""
+    of type hints is still a circle to the reader), and the module loaded by name at run time
+    (the zygote's `dualpath.cli`: nothing the CLI reaches imports the zygote). `make lint` checks
+    the running imports (the acyclic_siblings contract in pyproject.toml)."""
     graph = build_graph()
+    add_loaded_by_name(graph)
     circles = import_circles(graph)
     assert circles == [], "circles between files:\n" + "\n".join(
         describe_circle(graph, c) for c in circles
@@ -223,9 +232,9 @@ def test_the_circle_finder_finds_a_circle():
     assert import_circles(graph) == [["p.a", "p.b", "p.c"], ["p.d", "p.e"]]
 
 
-def _loaded_by_name(graph) -> list[tuple[str, str]]:
-    """(module, the module it loads) for each `importlib.import_module("literal")`: a run-time
-    arrow no import statement shows (the zygote's `dualpath.cli`)."""
+def _loaded_by_name(graph) -> list[tuple[str, str, int]]:
+    """(module, the module it loads, the line) for each `importlib.import_module("literal")`: a
+    run-time arrow no import statement shows (the zygote's `dualpath.cli`)."""
     import ast
     import importlib.util
 
@@ -241,7 +250,7 @@ def _loaded_by_name(graph) -> list[tuple[str, str]]:
                 and isinstance(node.args[0], ast.Constant)
                 and node.args[0].value in graph.modules
             ):
-                arrows.append((module, node.args[0].value))
+                arrows.append((module, node.args[0].value, node.lineno))
     return arrows
 
 
@@ -249,13 +258,14 @@ def test_the_zygote_alone_loads_a_module_by_name():
     """Modules import each other with import statements (the arrows the checks above see); the
     one module loaded by a name string is `dualpath.cli`, by the zygote that forks the local
     workers, the drawing's one arrow up."""
-    assert _loaded_by_name(build_graph()) == [("dualpath.local.zygote", "dualpath.cli")]
+    assert add_loaded_by_name(build_graph()) == [("dualpath.local.zygote", "dualpath.cli")]
 
 
 def draw() -> str:
     """The house as rooms (each top-level module or folder of `dualpath`; the operator is one)
-    on floors (a room's floor: the longest way down its arrows), top floor first, with the count
-    of circles between files and the arrows loaded by name at run time."""
+    on floors (a room's floor: the longest way down its import arrows), top floor first, with
+    the arrows loaded by name at run time and the count of circles between files (those arrows
+    counted)."""
     graph = build_graph()
 
     def room(module: str) -> str:
@@ -281,6 +291,7 @@ def draw() -> str:
     file_arrows = sum(
         len(graph.find_modules_directly_imported_by(m) & graph.modules) for m in graph.modules
     )
+    by_name = add_loaded_by_name(graph)
     lines = [
         f"{len(floor)} rooms on {max(floor.values()) + 1} floors, {len(arrows)} arrows between "
         f"rooms; {len(graph.modules)} files, {file_arrows} arrows between files, "
@@ -288,7 +299,7 @@ def draw() -> str:
     ]
     for f in range(max(floor.values()), -1, -1):
         lines.append(f"floor {f:2}: " + ", ".join(sorted(r for r in floor if floor[r] == f)))
-    for a, b in _loaded_by_name(graph):
+    for a, b in by_name:
         up = "up" if floor[room(b)] > floor[room(a)] else "down"
         lines.append(f"loaded by name at run time ({up}): {a} -> {b}")
     return "\n".join(lines)
