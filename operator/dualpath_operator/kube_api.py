@@ -14,7 +14,7 @@ from kubernetes import config as k8s_config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, ResourceNotFoundError
 
-from .reconcile import FIELD_MANAGER
+from .pass_state import FIELD_MANAGER
 
 REQUEST_TIMEOUT_S = 30
 

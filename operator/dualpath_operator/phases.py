@@ -15,8 +15,8 @@ No kopf here, and the builders stay pure: a phase gathers inputs, calls them, ap
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from dualpath import config
 from dualpath.config import Role
@@ -37,13 +37,10 @@ from .builders import (
 from .builders import token_secret as build_token_secret
 from .builders.common import selector_labels
 from .k8s_errors import ApiFailure, describe, is_not_found
+from .pass_state import FIELD_MANAGER, ClusterApi, Pass, PhaseError, emit
 from .status import ConditionType, PhaseOutcome, PoolObjectStatus, Problem, WorkloadObservation
 
-if TYPE_CHECKING:
-    from .reconcile import ClusterApi
-
 API_VERSION_FULL = config.API_VERSION_FULL
-FIELD_MANAGER = "dualpath-operator"  # every server-side apply of the operator
 SPEC_VALID = ConditionType.SPEC_VALID
 SCALE_ACCEPTED = ConditionType.SCALE_ACCEPTED
 TOKEN_READY = ConditionType.TOKEN_READY
@@ -53,66 +50,9 @@ CHILDREN_OBSERVED = ConditionType.CHILDREN_OBSERVED
 POOLS_REPORTED = ConditionType.POOLS_REPORTED
 
 
-class PhaseError(Exception):
-    """A retryable API error met in one phase: named for the log, the backoff and the status
-    (the phase's condition goes False with reason ApiRetrying once it persists)."""
-
-    def __init__(self, failure: ApiFailure, condition: ConditionType) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-        self.condition = condition
-
-
-@dataclass
-class Pass:
-    """One pass's state: the cluster as read, then what each phase read and decided."""
-
-    api: ClusterApi
-    body: dict[str, Any]
-    log: Any  # reconcile.ObjectLog: every line names the object
-    cfg: config.ClusterConfig | None = None
-    pools: dict[str, dict[str, Any] | None] = field(default_factory=dict)
-    plan: scaling.ReplicaPlan | None = None
-    desired: list[dict[str, Any]] = field(default_factory=list)
-    applied: list[str] = field(default_factory=list)
-    pruned: list[str] = field(default_factory=list)
-    failures: list[ApiFailure] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-    workloads: dict[str, WorkloadObservation] = field(default_factory=dict)
-    ran: list[PhaseOutcome] = field(default_factory=list)
-    stopped: bool = False  # the spec cannot be rendered: the later phases do not run
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        return self.body["metadata"]
-
-    @property
-    def owner(self) -> dict[str, str]:
-        return {"name": self.meta["name"], "uid": self.meta["uid"]}
-
-    @property
-    def ns(self) -> str:
-        return self.meta["namespace"]
-
-    def refused(self, failure: ApiFailure, condition: ConditionType, what: str) -> None:
-        """A write the API server refused for a reason retrying cannot fix: reported."""
-        metrics.API_ERRORS.labels(failure.reason, "false").inc()
-        self.log.warning("%s refused: %s", what, failure.message)
-        self.failures.append(failure)
-        self.problems.append(Problem("ApplyFailed", failure.message, condition=condition))
-
-
 def _raise_if_retryable(failure: ApiFailure, condition: ConditionType, err: Exception) -> None:
     if failure.retryable:  # counted by the Reconciler with the other retried errors
         raise PhaseError(failure, condition) from err
-
-
-def emit(api: ClusterApi, obj: dict, type_: str, reason: str, message: str, log) -> None:
-    """Events are best effort: a failed post is logged, never fails the pass."""
-    try:
-        api.event(obj, type_, reason, message)
-    except Exception as err:
-        log.warning("could not post event %s: %s", reason, err)
 
 
 def _key(obj: dict) -> str:

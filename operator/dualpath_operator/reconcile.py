@@ -4,17 +4,17 @@ Level-triggered and idempotent: every pass reads the cluster, its pools and Stat
 the API, renders the whole desired state, applies it with server-side apply, deletes children
 it no longer asks for, and writes the status itself (also when an apply fails). It keeps no
 state of its own (each replica count has one writer, `scaling.py`), so an operator restart
-loses nothing. The API is behind `ClusterApi` so tests run against an in-memory fake; the
-`Reconciler` is the shell both triggers share (kopf handlers and the periodic resync).
+loses nothing. The API is behind `ClusterApi` (`pass_state.py`) so tests run against an
+in-memory fake; the `Reconciler` is the shell both triggers share (kopf handlers and the
+periodic resync).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from dualpath.config import API_VERSION_FULL, KIND
 
@@ -23,48 +23,11 @@ from .builders import child_name
 from .builders.checks import spec_warnings
 from .builders.pods import scheduler_address
 from .k8s_errors import ApiFailure, describe, is_not_found
-from .phases import FIELD_MANAGER, PHASE_OF_CONDITION, Pass, PhaseError, emit, run_phases
+from .pass_state import ClusterApi, ObjectLog, Pass, PhaseError, emit, object_log
+from .phases import PHASE_OF_CONDITION, run_phases
 from .status import ConditionType, Problem, compute_status, condition
 
-_log = logging.getLogger(__name__)
 CONFLICT_ATTEMPTS = 5  # 409s in a row before the pass is handed to the retry backoff
-
-
-class ClusterApi(Protocol):
-    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
-        """Server-side apply; `metadata.resourceVersion` in `obj` is a precondition."""
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...
-
-    def create_only(self, obj: dict[str, Any]) -> bool:
-        """Create `obj` unless it exists (never changes an existing one); True if created."""
-
-    def list(
-        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
-    ) -> list[dict[str, Any]]: ...
-
-    def served(self, api_version: str, kind: str) -> bool:
-        """Whether the API server serves the kind (cert-manager's CRDs installed)."""
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
-        """Delete with a uid precondition (never a same-named successor)."""
-
-    def patch_status(
-        self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
-    ) -> None: ...
-
-    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None: ...
-
-
-class ObjectLog(logging.LoggerAdapter):
-    """Every line names the object: `[ns/name] ...`, as kopf's own lines do."""
-
-    def process(self, msg, kwargs):
-        return f"[{self.extra['key']}] {msg}", kwargs
-
-
-def object_log(namespace: str, name: str) -> ObjectLog:
-    return ObjectLog(_log, {"key": f"{namespace}/{name}"})
 
 
 @dataclass

@@ -7,7 +7,8 @@ import pytest
 from dualpath import config
 from dualpath.cli import build_parser
 from dualpath.process import Component, Placement, process_command
-from dualpath.worker.node import NodeOptions, WorkerNode
+from dualpath.worker.common import NodeOptions
+from dualpath.worker.node import WorkerNode
 
 
 def _at(**kw) -> Placement:

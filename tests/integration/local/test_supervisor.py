@@ -220,7 +220,7 @@ def test_a_restart_forks_from_the_zygote_with_its_imports_done_and_stops_clean()
     """A crashed `dualpath.cli` process is restarted as a fork of the warm zygote (no import
     time), serves again, is signalled and reaped like a child, and stop() leaves nothing."""
     from dualpath.local.supervisor import RestartPolicy
-    from dualpath.local.zygote import Zygote, ZygoteProc
+    from dualpath.local.zygote_client import Zygote, ZygoteProc
 
     port, metrics = free_port(), free_port()
     argv = [sys.executable, "-m", "dualpath.cli", "--log-level=INFO", "scheduler"]

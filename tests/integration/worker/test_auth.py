@@ -22,7 +22,8 @@ from dualpath.grpc_auth import ClusterToken, channel, write_token_file  # noqa: 
 from dualpath.scheduler.client import SchedulerClient  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
-from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from dualpath.worker.common import NodeOptions  # noqa: E402
+from dualpath.worker.node import WorkerNode  # noqa: E402
 from dualpath_proc import spawn_ready  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from tiny_configs import pools, tiny_cluster, write_config  # noqa: E402

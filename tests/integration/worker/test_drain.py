@@ -26,7 +26,8 @@ from dualpath.scheduler.client import SchedulerClient  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
-from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from dualpath.worker.common import NodeOptions  # noqa: E402
+from dualpath.worker.node import WorkerNode  # noqa: E402
 from prometheus_client import REGISTRY  # noqa: E402
 from tiny_configs import pools, tiny_cluster  # noqa: E402
 

@@ -26,7 +26,8 @@ from dualpath.kv import block_ids  # noqa: E402
 from dualpath.kv.backend import PreadvBackend  # noqa: E402
 from dualpath.v1 import scheduler_pb2 as spb  # noqa: E402
 from dualpath.v1 import worker_pb2 as wpb  # noqa: E402
-from dualpath.worker.node import NodeOptions, WorkerNode  # noqa: E402
+from dualpath.worker.common import NodeOptions  # noqa: E402
+from dualpath.worker.node import WorkerNode  # noqa: E402
 from dualpath.worker.wire import BadField, chunk_to_pb, generate_from_pb  # noqa: E402
 from dualpath_proc import spawn_ready  # noqa: E402
 from tiny_configs import pools, tiny_cluster, write_config  # noqa: E402

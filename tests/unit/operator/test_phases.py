@@ -4,8 +4,9 @@ and the condition it reports when it fails; then the phases in order and the sta
 import pytest
 import yaml
 from dualpath_operator import phases, scaling
-from dualpath_operator.phases import Pass, PhaseError, run_phases
-from dualpath_operator.reconcile import Backoff, Reconciler, object_log, reconcile
+from dualpath_operator.pass_state import Pass, PhaseError, object_log
+from dualpath_operator.phases import run_phases
+from dualpath_operator.reconcile import Backoff, Reconciler, reconcile
 from dualpath_operator.status import PHASE_CONDITIONS, ConditionType, compute_status
 from fakeapi import FakeApi, api_error
 from test_reconcile import DPC, DPP, ROOT, cond, cr, token_mode

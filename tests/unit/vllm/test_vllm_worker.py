@@ -22,7 +22,7 @@ from dualpath.tls import LocalCA, TlsCredentials
 from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
-from dualpath.worker.node import NodeOptions
+from dualpath.worker.common import NodeOptions
 from dualpath.worker.service import WorkerServer
 from dualpath.worker.vllm import VllmServicer, VllmWorker, vllm_sampling
 from dualpath.worker.wire import BadField, prefill_from_pb, prefill_to_pb

@@ -7,7 +7,8 @@ import pytest
 from dualpath.config import Role, from_resource
 from dualpath.kv.memory import MemoryStore
 from dualpath.transfer.fake import MemoryFabric, MemoryTransfer
-from dualpath.worker.node import NodeOptions, WorkerNode
+from dualpath.worker.common import NodeOptions
+from dualpath.worker.node import WorkerNode
 
 BT = 16
 DEADLINE_S = 1.0

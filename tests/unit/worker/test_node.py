@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 from dualpath.config import ClusterConfig, Role
-from dualpath.worker.node import NodeOptions, WorkerNode
+from dualpath.worker.common import NodeOptions
+from dualpath.worker.node import WorkerNode
 from dualpath.worker.regions import release_regions
 
 

@@ -262,7 +262,7 @@ class LocalCluster:
             self.supervisor.wait_ready([w.name for w in workers])
             self.supervisor.start([frontend])
             if self.zygote:  # warm from now on: a crashed worker or scheduler restarts fast
-                from dualpath.local.zygote import Zygote
+                from dualpath.local.zygote_client import Zygote
 
                 self.supervisor.zygote = Zygote(env=local_worker_env())
         except BaseException:

@@ -231,7 +231,7 @@ class Supervisor:
         self._stopping = False
         self.abort = threading.Event()  # set (e.g. from a signal handler) to abandon a start
         self.hurry = threading.Event()  # set (hurry_all): a stop SIGKILLs without grace
-        self.zygote = None  # a dualpath.local.zygote.Zygote: restarts fork from it
+        self.zygote = None  # a dualpath.local.zygote_client.Zygote: restarts fork from it
         _supervisors.add(self)
 
     def __enter__(self) -> Supervisor:

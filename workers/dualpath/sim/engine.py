@@ -45,15 +45,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dualpath.scheduler.policy import account
-from dualpath.scheduler.policy.types import (
-    ClusterView,
-    NodeState,
-    Policy,
-    ReadPath,
-    RouteRequest,
-    Thresholds,
-)
+from dualpath.scheduler.policy import ClusterView, Policy, account
+from dualpath.scheduler.policy.types import NodeState, ReadPath, RouteRequest, Thresholds
 from dualpath.sim.model import CostModel, Hardware
 from dualpath.trace import Trajectory
 

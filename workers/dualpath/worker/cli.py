@@ -69,7 +69,8 @@ async def serve(args: argparse.Namespace) -> int:
     from prometheus_client import REGISTRY
 
     from dualpath.observability import ObservabilityServer
-    from dualpath.worker.node import NodeOptions, WorkerNode
+    from dualpath.worker.common import NodeOptions
+    from dualpath.worker.node import WorkerNode
 
     cfg = config.load_or_default(args.file)
     role = config.Role(args.role)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dualpath.worker import metrics
 
 if TYPE_CHECKING:
-    from dualpath.worker.node import WorkerNode
+    from dualpath.worker.common import Node
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ DRAIN_SETTLE_S = 1.0
 DRAIN_POLL_S = 0.2
 
 
-async def drain_and_stop(node: WorkerNode) -> None:
+async def drain_and_stop(node: Node) -> None:
     """Tell the scheduler this node drains, let the work in flight finish for at most
     `spec.workers.drainSeconds`, then stop. In flight: this node's Prefill and Generate calls
     (storage reads, D->P relays, prefill->decode handoffs, decoding) and the requests the

@@ -3,8 +3,9 @@
 `WorkerNode` owns the node's parts and stops them in order; each concern has its own module:
 the parts built from the spec (`parts.py`: engine, KV store, read queue, transfer engine, the
 role), the gRPC service (`service.py`), the scheduler registration with heartbeats and KV events
-(`registration.py`) and the drain (`drain.py`). /metrics, /livez and /readyz read `live` and
-`health`.
+(`registration.py`) and the drain (`drain.py`). Those modules see the node as `common.Node` (what
+a node holds), below them all with its options, so none imports this one back. /metrics, /livez
+and /readyz read `live` and `health`.
 
 Its timeouts, KV cache size and drain time come from `spec.workers` (NodeOptions may override
 them for tests and local experiments).
@@ -15,17 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dualpath.config import ClusterConfig, Role
-from dualpath.grpc_auth import Auth
-from dualpath.grpc_channels import ChannelCache
 from dualpath.scheduler.policy.types import NodeLoad
+from dualpath.v1 import scheduler_pb2 as spb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import metrics
+from dualpath.worker.common import NodeOptions, advertised_address, prefill_channels
 from dualpath.worker.registration import NodeRegistration, node_load
-from dualpath.worker.service import MAX_MESSAGE_BYTES, WorkerServer
+from dualpath.worker.service import WorkerServer
 
 if TYPE_CHECKING:  # the parts import torch and NIXL: built in start() (parts.py)
     from dualpath.engine import Engine
@@ -40,55 +40,12 @@ if TYPE_CHECKING:  # the parts import torch and NIXL: built in start() (parts.py
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class NodeOptions:
-    role: Role
-    node_id: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise: str = ""  # host[:port] peers and the scheduler use (port: the bound one)
-    advertise_host: str = ""  # with the bound port when `advertise` is empty (default host)
-    scheduler: str = ""  # empty: run without a scheduler (tests)
-    storage: str = ""
-    # None: from spec.workers (kvCacheTokens, transferDeadlineSeconds, requestTimeoutSeconds,
-    # drainSeconds); a value overrides the config for tests and local experiments
-    kv_cache_tokens: int | None = None  # decode: the paged KV cache of the decode batch
-    deadline_s: float | None = None  # one transfer, one notification wait, one buffer wait
-    request_timeout_s: float | None = None  # one Prefill call, queueing for compute included
-    drain_s: float | None = None  # drain bound on SIGTERM
-    store_backend: str = "auto"
-    # the cluster token every gRPC call to and from this node carries, or its mutual TLS
-    # certificate (`dualpath.tls`); None: unauthenticated
-    token: Auth | None = None
-
-
 def _given_or(given: float | None, spec_value: float) -> float:
     return spec_value if given is None else given
 
 
-def advertised_address(opts: NodeOptions, port: int) -> str:
-    """The host:port peers and the scheduler dial: `advertise` as given when it names a port,
-    else its host (or `advertise_host`, or the bound host) with the bound `port`."""
-    adv = opts.advertise
-    if adv and adv.rsplit(":", 1)[-1].isdigit():
-        return adv
-    return f"{adv or opts.advertise_host or opts.host}:{port}"
-
-
-def prefill_channels(auth: Auth | None) -> ChannelCache:
-    """A decode node's channels to prefill nodes (it calls their Prefill only): by address,
-    closed when unreachable, idle, or their node left the cluster (`grpc_channels`)."""
-    return ChannelCache(
-        auth,
-        server_role="prefill",
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-    )
-
-
 async def live_addresses(registration: NodeRegistration) -> set[str] | None:
     """The addresses of the nodes in the scheduler's view (None: not registered yet)."""
-    from dualpath.v1 import scheduler_pb2 as spb
-
     agent = registration.agent
     if agent is None or not agent.registered:
         return None

@@ -22,10 +22,10 @@ from dualpath.worker.decode import DecodeRole
 from dualpath.worker.prefill import PrefillRole
 
 if TYPE_CHECKING:
-    from dualpath.worker.node import WorkerNode
+    from dualpath.worker.common import Node
 
 
-async def build(node: WorkerNode) -> None:
+async def build(node: Node) -> None:
     """Set the node's engine, store (unless given), read queue, transfer (unless given) and
     role; each exists on the node as soon as it is built, so a failed start stops what was."""
     spec, role = node.cfg.spec, node.role

@@ -17,12 +17,12 @@ from dualpath.worker import metrics
 
 if TYPE_CHECKING:
     from dualpath.config import ClusterConfig, Role
-    from dualpath.worker.node import NodeOptions, WorkerNode
+    from dualpath.worker.common import Node, NodeOptions
 
 log = logging.getLogger(__name__)
 
 
-def node_load(node: WorkerNode) -> NodeLoad:
+def node_load(node: Node) -> NodeLoad:
     """What the node's heartbeats report (and its load gauges show)."""
     role = node.prefill.load if node.prefill is not None else node.decode
     q, r, n = role.tokens_queued, role.tokens_running, role.requests_running
@@ -81,7 +81,7 @@ class NodeRegistration:
     """Registers the node (again after a scheduler restart), heartbeats its load and publishes
     its store's KV events; without a scheduler address it does nothing (tests)."""
 
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
         self.agent: NodeAgent | None = None
         self.publisher: KvEventPublisher | None = None

@@ -19,6 +19,7 @@ from dualpath.log import clip
 from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
+from dualpath.worker.common import MAX_MESSAGE_BYTES
 from dualpath.worker.wire import (
     BadField,
     chunk_to_pb,
@@ -28,17 +29,15 @@ from dualpath.worker.wire import (
 )
 
 if TYPE_CHECKING:
-    from dualpath.worker.node import WorkerNode
+    from dualpath.worker.common import Node
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20  # a Prefill's prompt and logits of a large vocabulary
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
     """Thin adapter: role objects do the work; errors become gRPC statuses."""
 
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
         self.component = f"{node.role.value}-worker"
 
@@ -160,7 +159,7 @@ class WorkerServer:
 
     def __init__(
         self,
-        node: WorkerNode,
+        node: Node,
         token: Auth | None,
         servicer: wpb_grpc.WorkerServicer | None = None,
     ) -> None:

@@ -62,7 +62,7 @@ from dualpath.scheduler.wire import ROLE_TO_PB
 from dualpath.v1 import worker_pb2 as wpb
 from dualpath.v1 import worker_pb2_grpc as wpb_grpc
 from dualpath.worker import FAILED_NODE_KEY
-from dualpath.worker.node import NodeOptions, advertised_address, prefill_channels
+from dualpath.worker.common import NodeOptions, advertised_address, prefill_channels
 from dualpath.worker.service import WorkerServer, WorkerServicer
 from dualpath.worker.wire import (
     PrefillOrder,

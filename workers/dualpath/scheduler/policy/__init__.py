@@ -14,22 +14,25 @@ from collections.abc import Callable
 
 from dualpath.config import PolicyName
 from dualpath.scheduler.policy.inter_node import config_mismatch, pick_pair
-from dualpath.scheduler.policy.policies import DualPathPolicy, FixedPathPolicy, RoundRobinPolicy
+from dualpath.scheduler.policy.policies import (
+    DualPathPolicy,
+    FixedPathPolicy,
+    Policy,
+    RoundRobinPolicy,
+)
 from dualpath.scheduler.policy.types import (
     DEFAULT_BUFFER_FREE_BYTES,
     DEFAULT_CNIC_BYTES_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_SNIC_BYTES_PER_S,
-    ClusterView,
-    ConfigPool,
     Decision,
     NodeLoad,
     NodeState,
-    Policy,
     ReadPath,
     RouteRequest,
     Thresholds,
 )
+from dualpath.scheduler.policy.view import ClusterView, ConfigPool
 
 # The one registry of policies: name -> factory, over the config model's names (`PolicyName`,
 # the CRD's enum, below this package); the CLIs and `get_policy` read it.

@@ -17,13 +17,8 @@ config hash (`pick_pair`; docs/design.md section 9: versions never pair):
 from __future__ import annotations
 
 from dualpath.scheduler.policy.pools import DecodeGroup
-from dualpath.scheduler.policy.types import (
-    ClusterView,
-    NodeState,
-    ReadPath,
-    RouteRequest,
-    Thresholds,
-)
+from dualpath.scheduler.policy.types import NodeState, ReadPath, RouteRequest, Thresholds
+from dualpath.scheduler.policy.view import ClusterView
 
 # Z slack of the paper's decode phase 2.
 DECODE_BALANCE_SLACK = 1.05

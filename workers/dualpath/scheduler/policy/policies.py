@@ -1,4 +1,4 @@
-"""Scheduling policies: small classes behind one interface, selected by name.
+"""Scheduling policies: small classes behind one interface (`Policy`), selected by name.
 
 `dualpath` is the paper's policy; `prefill-read` (today's systems), `decode-read` and
 `round-robin` are the baselines. The node choice of the first three is the same code
@@ -8,14 +8,21 @@ prefill and decode node from one config pool (`ClusterView.pools()`), so version
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from dualpath.scheduler.policy.inter_node import path_finish_s, pick_pair, pick_path
-from dualpath.scheduler.policy.types import (
-    ClusterView,
-    Decision,
-    NodeState,
-    ReadPath,
-    RouteRequest,
-)
+from dualpath.scheduler.policy.types import Decision, NodeState, ReadPath, RouteRequest
+from dualpath.scheduler.policy.view import ClusterView
+
+
+class Policy(Protocol):
+    """A scheduling policy: small, pure, selected by name (see `policy.get_policy`)."""
+
+    name: str
+
+    def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
+        """Pick (prefill node, decode node, read path); None means no node can take it now."""
+        ...
 
 
 class DualPathPolicy:

@@ -1,7 +1,7 @@
-"""Plain data the policy reads and returns. No I/O, no clocks, no globals.
-
-The gRPC service, the local cluster and the simulator all build a `ClusterView` and call
-`Policy.decide(request, view)`. Keep these types cheap: the decision path is hot.
+"""Plain data the policy reads and returns: a node's state and load, a request, a decision.
+No I/O, no clocks, no globals, and nothing of the policy's own (the pools that rank the nodes,
+`pools.py`, and the view that groups them, `view.py`, sit above these types). Keep them cheap:
+the decision path is hot.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
-
-from dualpath.scheduler.policy.pools import DecodeGroup, PrefillRanking
 
 # What the scheduler assumes of a node or a cluster that does not say (a registration without
 # the field, a view without a configured CNIC). One definition: NodeState, ClusterView, the
@@ -82,6 +80,17 @@ def _tracks_changes(cls: type) -> type:
     return cls
 
 
+class LoadWatcher(Protocol):
+    """What a node tells of its load changes (`NodeState._watch`): the config pool's ranking
+    or decode group that holds it (`pools.PrefillRanking`, `pools.DecodeGroup`)."""
+
+    def touch(self, node: NodeState) -> None: ...
+
+    def orphan(self) -> None: ...
+
+    def charged(self, node: NodeState, tokens: int, old_free: int) -> None: ...
+
+
 @_tracks_changes
 @dataclass(slots=True)
 class NodeState:
@@ -89,9 +98,7 @@ class NodeState:
 
     # Told of every change to the load fields and flags (`_tracks_changes`); set by the config
     # pool that ranks the node (`policy.pools.watch`). First, so __init__ sets it before them.
-    _watch: PrefillRanking | DecodeGroup | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    _watch: LoadWatcher | None = field(default=None, init=False, repr=False, compare=False)
     node_id: str
     role: str  # "prefill" | "decode"
     # Read queue (the node's SNIC): bytes admitted but not yet read, and its bandwidth.
@@ -156,94 +163,6 @@ class Thresholds:
 
 
 @dataclass(slots=True)
-class ConfigPool:
-    """The nodes of one config hash: only they pair with each other. Built per membership change."""
-
-    config_hash: str
-    prefill: list[NodeState]
-    decode: list[NodeState]
-    # Decode engines by group, sorted by group name (phase 1 of the decode choice).
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # The prefill nodes in the paper's order, with each node's beta and alpha in its own units
-    # (computed once per membership change, not per decision).
-    prefill_ranking: PrefillRanking | None = None
-
-
-@dataclass(slots=True)
-class ClusterView:
-    """Snapshot the policy decides over. Built by the caller, never mutated by the policy."""
-
-    prefill: list[NodeState]
-    decode: list[NodeState]
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    # Path D's extra hop: decode buffer -> prefill over the compute NIC (kv traffic class).
-    cnic_bytes_per_s: float = DEFAULT_CNIC_BYTES_PER_S
-    # Order in which config hashes were first registered (higher: newer); equal loads go to the
-    # newest hash. Hashes missing here rank by their first appearance in prefill + decode.
-    config_hash_seq: dict[str, int] = field(default_factory=dict)
-    # Nodes grouped by config hash, then decode group; built lazily. Call `membership_changed()`
-    # after adding or removing nodes or changing a node's hash, group, SNIC bandwidth or prefill
-    # throughput (health, draining and load are read per decision, never cached).
-    _pools: list[ConfigPool] | None = None
-    _pools_thresholds: Thresholds | None = None
-    _by_id: dict[str, NodeState] | None = None
-
-    def pools(self) -> list[ConfigPool]:
-        """One pool per config hash, newest first."""
-        if self._pools is None or self._pools_thresholds is not self.thresholds:
-            self._pools = _build_pools(
-                self.prefill, self.decode, self.config_hash_seq, self.thresholds
-            )
-            self._pools_thresholds = self.thresholds
-        return self._pools
-
-    def node(self, node_id: str) -> NodeState | None:
-        if self._by_id is None:
-            self._by_id = {n.node_id: n for n in (*self.prefill, *self.decode)}
-        return self._by_id.get(node_id)
-
-    def membership_changed(self) -> None:
-        self._pools = None
-        self._by_id = None
-
-
-def _build_pools(
-    prefill: list[NodeState], decode: list[NodeState], seq: dict[str, int], t: Thresholds
-) -> list[ConfigPool]:
-    by_hash: dict[str, ConfigPool] = {}
-    for nodes, is_prefill in ((prefill, True), (decode, False)):
-        for n in nodes:
-            pool = by_hash.get(n.config_hash)
-            if pool is None:
-                pool = by_hash[n.config_hash] = ConfigPool(n.config_hash, [], [])
-            (pool.prefill if is_prefill else pool.decode).append(n)
-    first_seen = {h: i for i, h in enumerate(by_hash)}
-    pools = sorted(
-        by_hash.values(),
-        key=lambda p: (seq.get(p.config_hash, -1), first_seen[p.config_hash]),
-        reverse=True,
-    )
-    for pool in pools:
-        groups: dict[str, list[NodeState]] = {}
-        for n in pool.decode:
-            groups.setdefault(n.group, []).append(n)
-        pool.decode_groups = [
-            DecodeGroup(name, members) for name, members in sorted(groups.items())
-        ]
-        pool.prefill_ranking = PrefillRanking(
-            [
-                (
-                    n,
-                    n.prefill_tokens_per_s * t.overloaded_prefill_s,
-                    n.snic_bytes_per_s * t.short_read_queue_s,
-                )
-                for n in pool.prefill
-            ]
-        )
-    return pools
-
-
-@dataclass(slots=True)
 class RouteRequest:
     """One agent turn as the scheduler sees it. Build it with `RouteRequest.for_turn`, the one
     place that turns tokens into bytes (the service, the frontend and the simulator do)."""
@@ -301,13 +220,3 @@ class Decision(NamedTuple):
     est_read_finish_s: float = 0.0
     est_other_finish_s: float = 0.0
     reason: str = ""
-
-
-class Policy(Protocol):
-    """A scheduling policy: small, pure, selected by name (see `policy.get_policy`)."""
-
-    name: str
-
-    def decide(self, request: RouteRequest, view: ClusterView) -> Decision | None:
-        """Pick (prefill node, decode node, read path); None means no node can take it now."""
-        ...
