@@ -8,6 +8,7 @@ one process with two real NIXL agents (UCX)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -301,10 +302,9 @@ def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path:
     assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
     dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
     decode.start_load(dsched.build(_empty_step()))
-    ready = decode.wait_ready("t/1", 60)
+    ready = decode.wait_ready("t/1", 60)  # at once: the hit streams while it is read
     assert ready.hit_tokens == 256 and ready.target.block_ids == (1, 2, 3, 4)
-    for layer, t in dcaches.items():
-        assert torch.equal(_tokens_kv(t, [1, 2], 0, 256)[0], kv[layer][0][:256])
+    assert ready.target.progress_address
     # the prefill streams the hit from the decode layer by layer, computes the rest, sends it
     psched = SchedulerSide(VB, SB, ids)
     rp = _request("rp", tokens, Route(256, "decode", xfer_id="t/1", deadline_unix=deadline,
@@ -326,6 +326,7 @@ def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path:
         time.sleep(0.005)
     assert got == {"rd"} and decode.take_load_errors() == set()
     for layer, t in dcaches.items():  # every prompt token but the last is in the decode's
+        assert torch.equal(_tokens_kv(t, [1, 2], 0, 256)[0], kv[layer][0][:256])
         k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
         assert torch.equal(k, kv[layer][0][:399]) and torch.equal(v, kv[layer][1][:399])
     decode.shutdown()
@@ -370,4 +371,106 @@ def test_a_failed_hit_read_recomputes_the_hit_and_sends_nothing_that_step(tmp_pa
     _forward(prefill, pcaches, plan)
     assert prefill.take_load_errors() == {5, 6}
     assert "t/2" not in prefill._sent
+    prefill.shutdown()
+
+
+class _GatedReads:
+    """The decode's store reads, each layer from 1 on held until the test opens its gate."""
+
+    def __init__(self, queue, layers: int) -> None:  # noqa: ANN001
+        self.queue, self.submit_real = queue, queue.submit
+        self.gates = [threading.Event() for _ in range(layers)]
+        self.gates[0].set()
+        self.asked: list[int] = []  # layers the decode's reader asked for, in order
+        queue.submit = self.submit
+
+    def submit(self, ids, out=None):  # noqa: ANN001, ANN201
+        handle = self.submit_real(ids, out)
+        real = handle.layer_sync
+
+        def layer_sync(layer: int, timeout: float | None = None):  # noqa: ANN202
+            self.asked.append(layer)
+            assert self.gates[layer].wait(60), f"layer {layer}'s gate never opened"
+            return real(layer, timeout)
+
+        handle.layer_sync = layer_sync
+        return handle
+
+
+def test_path_d_waits_for_layer_l_only_while_later_layers_are_still_read(tmp_path: Path) -> None:
+    """The pipeline storage -> decode -> prefill: the prefill's wait for layer 0 of a path-D
+    hit returns (with layer 0's KV, from the decode's cache) while the decode's store read of
+    layer 1 is still held; each later layer's wait returns once that layer is let through."""
+    cfg = _cfg(tmp_path)
+    m = cfg.spec.model
+    assert m.layers >= 2
+    ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
+    decode, dcaches = _named_worker(tmp_path, cfg, "decode-0")
+    prefill, pcaches = _named_worker(tmp_path, cfg, "prefill-0")
+    gen = torch.Generator().manual_seed(5)
+    tokens = [7 + i % 200 for i in range(400)]
+    kv = {
+        layer: (torch.randn(400, m.kv_heads, m.head_dim, generator=gen),
+                torch.randn(400, m.kv_heads, m.head_dim, generator=gen))
+        for layer in dcaches
+    }  # fmt: skip
+    dsched = SchedulerSide(VB, SB, ids)
+    r0 = _request("r0", tokens[:300])
+    dsched.get_num_new_matched_tokens(r0, 0)
+    plan = dsched.build(_step("r0", tokens[:300], [9, 10, 11], 0, 300))
+    slots0 = torch.tensor(blocks.slots([9, 10, 11], 0, 300, VB))
+    _forward(decode, dcaches, plan, lambda layer: (slots0, kv[layer][0][:300], kv[layer][1][:300]))
+    gated = _GatedReads(decode.read_queue, m.layers)
+    deadline = time.time() + 120
+    rd = _request("rd", tokens, Route(256, "decode", xfer_id="t/3", receive=True,
+                                      deadline_unix=deadline))  # fmt: skip
+    dsched.get_num_new_matched_tokens(rd, 0)
+    dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
+    decode.start_load(dsched.build(_empty_step()))
+    ready = decode.wait_ready("t/3", 60)
+    psched = SchedulerSide(VB, SB, ids)
+    rp = _request("rp", tokens, Route(ready.hit_tokens, "decode", xfer_id="t/3",
+                                      deadline_unix=deadline, send_to=ready.target))  # fmt: skip
+    psched.get_num_new_matched_tokens(rp, 0)
+    psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
+    plan = psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
+    waited: list[int] = []  # layers whose wait returned with their KV, the next one held
+
+    def forward() -> None:
+        prefill.start_load(plan)
+        for layer, t in pcaches.items():
+            prefill.wait_for_layer(layer)
+            held = layer + 1 == m.layers or not gated.gates[layer + 1].is_set()
+            got = _tokens_kv(t, [5, 6], 0, 256)[0]
+            waited.append(layer if held and torch.equal(got, kv[layer][0][:256]) else -1)
+            cache.write_tokens(t, new_slots, kv[layer][0][256:], kv[layer][1][256:])
+            prefill.save_layer(plan, layer, t)
+        prefill.finish_loads()
+        prefill.wait_for_save()
+
+    fwd = threading.Thread(target=forward)
+    fwd.start()
+    for layer in range(1, m.layers):  # let layer l be read once the prefill has layer l-1
+        for _ in range(6000):  # bounded polls, not a timing assertion
+            if len(waited) >= layer or not fwd.is_alive():
+                break
+            time.sleep(0.01)
+        assert waited == list(range(layer)), "the prefill's wait for a layer needed a later one"
+        gated.gates[layer].set()
+    fwd.join(60)
+    assert not fwd.is_alive() and waited == list(range(m.layers))
+    assert gated.asked == list(range(m.layers))  # the decode read each layer once, in order
+    assert prefill.take_load_errors() == set()
+    got: set[str] = set()
+    for _ in range(2000):
+        got |= decode.finished_receiving()
+        if got:
+            break
+        time.sleep(0.005)
+    assert got == {"rd"} and decode.take_load_errors() == set()
+    for layer, t in dcaches.items():
+        k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
+        assert torch.equal(k, kv[layer][0][:399]) and torch.equal(v, kv[layer][1][:399])
+    decode.shutdown()
     prefill.shutdown()
