@@ -150,6 +150,7 @@ class WorkerSide:
         self._sent: OrderedDict[str, None] = OrderedDict()
         self._poller: threading.Thread | None = None
         self._failed_loads: set[str] = set()  # requests whose load failed this step: no send
+        self._load_plan: StepPlan | None = None  # the plan whose loads `_failed_loads` are
         self._arrived: list[bytes] = []  # notifications the poller took, for the next step
         self._closing = False
         self.store = None
@@ -264,6 +265,7 @@ class WorkerSide:
             self._start_recv(r)
         self._loads = []
         self._failed_loads = set()
+        self._load_plan = plan
         for p in plan.loads:
             if p.source is not None:
                 self._loads.append(self._start_read(p))
@@ -604,7 +606,9 @@ class WorkerSide:
             self._send_layer(snd, layer)
 
     def _load_failed(self, req_id: str) -> bool:
-        return req_id in self._failed_loads
+        # vLLM starts a step without loads after its forward: the failures then are an
+        # earlier step's, whose recompute this step is (it sends)
+        return self._load_plan is self._save_plan and req_id in self._failed_loads
 
     def _send_layer(self, snd: _Send, layer: int) -> None:
         p = snd.plan
