@@ -277,41 +277,12 @@ def _tokens_kv(cache_t: torch.Tensor, table: list[int], start: int, end: int):  
 
 def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    m = cfg.spec.model
-    ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
-    decode, dcaches = _named_worker(tmp_path, cfg, "decode-0")
-    prefill, pcaches = _named_worker(tmp_path, cfg, "prefill-0")
-    gen = torch.Generator().manual_seed(3)
-    tokens = [5 + i % 300 for i in range(400)]
-    kv = {
-        layer: (torch.randn(400, m.kv_heads, m.head_dim, generator=gen),
-                torch.randn(400, m.kv_heads, m.head_dim, generator=gen))
-        for layer in dcaches
-    }  # fmt: skip
-    # an earlier turn saved tokens [0, 256) to the store
-    dsched = SchedulerSide(VB, SB, ids)
-    r0 = _request("r0", tokens[:300])
-    dsched.get_num_new_matched_tokens(r0, 0)
-    plan = dsched.build(_step("r0", tokens[:300], [9, 10, 11], 0, 300))
-    slots0 = torch.tensor(blocks.slots([9, 10, 11], 0, 300, VB))
-    _forward(decode, dcaches, plan, lambda layer: (slots0, kv[layer][0][:300], kv[layer][1][:300]))
-    # the decode parks the turn as a receiver and reads its hit into its own blocks
-    deadline = time.time() + 120
-    rd = _request("rd", tokens, Route(256, "decode", xfer_id="t/1", receive=True,
-                                      deadline_unix=deadline))  # fmt: skip
-    assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
-    dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
-    decode.start_load(dsched.build(_empty_step()))
-    ready = decode.wait_ready("t/1", 60)  # at once: the hit streams while it is read
+    decode, dcaches, prefill, pcaches, tokens, kv, scheds = _path_d_pair(tmp_path, cfg, "t/1")
+    # the decode answers at once (its hit streams while it is read); the prefill streams the
+    # hit from the decode layer by layer, computes the rest, sends it
+    plan, ready = _path_d_sender_plan(decode, scheds, tokens, "t/1")
     assert ready.hit_tokens == 256 and ready.target.block_ids == (1, 2, 3, 4)
     assert ready.target.progress_address
-    # the prefill streams the hit from the decode layer by layer, computes the rest, sends it
-    psched = SchedulerSide(VB, SB, ids)
-    rp = _request("rp", tokens, Route(256, "decode", xfer_id="t/1", deadline_unix=deadline,
-                                      send_to=ready.target))  # fmt: skip
-    assert psched.get_num_new_matched_tokens(rp, 0) == (256, False)
-    psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
-    plan = psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
     new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
     _forward(prefill, pcaches, plan,
              lambda layer: (new_slots, kv[layer][0][256:], kv[layer][1][256:]))  # fmt: skip
@@ -406,7 +377,7 @@ def test_path_d_waits_for_layer_l_only_while_later_layers_are_still_read(tmp_pat
     assert m.layers >= 2
     decode, dcaches, prefill, pcaches, tokens, kv, scheds = _path_d_pair(tmp_path, cfg, "t/3")
     gated = _GatedReads(decode.read_queue, m.layers)
-    plan = _path_d_sender_plan(decode, scheds, tokens, "t/3")
+    plan, _ = _path_d_sender_plan(decode, scheds, tokens, "t/3")
     new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
     waited: list[int] = []  # layers whose wait returned with their KV, the next one held
 
@@ -472,13 +443,14 @@ def _path_d_pair(tmp: Path, cfg, xfer_id: str):  # noqa: ANN001, ANN202
     _forward(decode, dcaches, plan, lambda layer: (slots0, kv[layer][0][:300], kv[layer][1][:300]))
     rd = _request("rd", tokens, Route(256, "decode", xfer_id=xfer_id, receive=True,
                                       deadline_unix=time.time() + 120))  # fmt: skip
-    dsched.get_num_new_matched_tokens(rd, 0)
+    assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
     dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
     return decode, dcaches, prefill, pcaches, tokens, kv, (dsched, SchedulerSide(VB, SB, ids))
 
 
 def _path_d_sender_plan(decode: WorkerSide, scheds, tokens: list[int], xfer_id: str):  # noqa: ANN001, ANN202
-    """The decode starts its receiver (its store read runs); the prefill's first step."""
+    """The decode starts its receiver (its store read runs) and answers the rendezvous; the
+    prefill's first step, and the answer."""
     dsched, psched = scheds
     decode.start_load(dsched.build(_empty_step()))
     ready = decode.wait_ready(xfer_id, 60)
@@ -486,7 +458,7 @@ def _path_d_sender_plan(decode: WorkerSide, scheds, tokens: list[int], xfer_id: 
                                       deadline_unix=time.time() + 120, send_to=ready.target))  # fmt: skip
     psched.get_num_new_matched_tokens(rp, 0)
     psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
-    return psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    return psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144)), ready
 
 
 def test_a_hit_the_decode_could_not_read_is_recomputed_and_sent_in_the_next_step(
@@ -503,7 +475,7 @@ def test_a_hit_the_decode_could_not_read_is_recomputed_and_sent_in_the_next_step
             with open(p, "r+b") as f:
                 f.seek(p.stat().st_size // 2)
                 f.write(os.urandom(64))
-    plan = _path_d_sender_plan(decode, scheds, tokens, "t/4")
+    plan, _ = _path_d_sender_plan(decode, scheds, tokens, "t/4")
     _forward(prefill, pcaches, plan)
     assert prefill.take_load_errors() == {5, 6} and "t/4" not in prefill._sent
     st = scheds[1]._reqs["rp"]
