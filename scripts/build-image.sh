@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build (and with PUSH=1 push) the DualPath image with whichever builder this machine has:
-# docker, podman, buildah, nerdctl, or kaniko's /kaniko/executor (BUILDER=... picks one).
+# docker, podman, buildah, nerdctl, or kaniko's /kaniko/executor (BUILDER=<command> picks one:
+# any command with docker's build/push arguments, a path or a wrapper included).
 #   ENGINE=dualpath (the CPU image) | vllm (the same plus vLLM's CPU build), tagged <version>-vllm
 #   IMAGE=registry/name:tag   default: dualpath.default_image(ENGINE), the one source of the
 #                             repository and version (workers/dualpath/__init__.py)
@@ -48,21 +49,23 @@ fi
 
 BUILD_ARGS=(--build-arg "DUALPATH_VERSION=$VERSION" --build-arg "ENGINE=$ENGINE")
 ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}")
-case "$BUILDER" in
-  docker | podman | nerdctl | buildah)
-    BUILD=("$BUILDER" build "${ARGS[@]}" "$ROOT")
-    PUSH_CMD=("$BUILDER" push "$IMAGE")
-    ;;
-  kaniko)
+# BUILDER may be any command that takes docker's `build -f -t --build-arg` and `push` (docker,
+# podman, buildah, nerdctl, a path to one, or a wrapper such as `sudo podman`), or kaniko.
+read -r -a BUILDER_CMD <<<"$BUILDER"
+if ! command -v "${BUILDER_CMD[0]}" >/dev/null 2>&1 && [ "$BUILDER" != kaniko ]; then
+  echo "build-image: BUILDER=$BUILDER: '${BUILDER_CMD[0]}' is not a command here" >&2
+  exit 2
+fi
+case "${BUILDER_CMD[0]##*/}" in
+  kaniko | executor)
     BUILD=(/kaniko/executor --context "dir://$ROOT" --dockerfile "$ROOT/$FILE"
       --destination "$IMAGE" "${BUILD_ARGS[@]}")
     [ "$PUSH" = 1 ] || BUILD+=(--no-push)
     PUSH_CMD=()
     ;;
   *)
-    echo "build-image: BUILDER must be docker, podman, buildah, nerdctl or kaniko" \
-      "(got '$BUILDER')" >&2
-    exit 2
+    BUILD=("${BUILDER_CMD[@]}" build "${ARGS[@]}" "$ROOT")
+    PUSH_CMD=("${BUILDER_CMD[@]}" push "$IMAGE")
     ;;
 esac
 
