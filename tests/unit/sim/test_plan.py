@@ -249,3 +249,26 @@ def test_sweep_prints_a_table_json_and_a_heatmap(tmp_path, capsys) -> None:
     assert "sweep for synthetic-24" in text and "dualpath / prefill-read" in text
     assert main([*argv[:3], "--sweep", "--splits", "1:2", "--quiet"]) == 2
     assert "--sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rule", "effect"), [("truncate", "served cut"), ("refuse", "skipped")])
+def test_the_plan_says_how_many_turns_exceeded_the_context_and_what_it_did(
+    tmp_path, capsys, rule, effect
+) -> None:
+    sessions = _sessions()
+    turns = list(trace.iter_turns(sessions))
+    limit = sorted(p + t.gen_tokens for _, _, t, p, _ in turns)[len(turns) // 2]
+    over = sum(p + t.gen_tokens > limit for _, _, t, p, _ in turns)
+    assert 0 < over < len(turns)
+    path = tmp_path / "t.jsonl"
+    trace.save_jsonl(path, sessions, meta={"name": "synthetic-24"})
+    argv = ["plan", "--trace", str(path), "--splits", "1:2", "--sessions", "8", "--horizon",
+            "20", "--seeds", "1", "--quiet", "--max-context", str(limit), "--context-rule", rule]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["context"] == {"turns": len(turns), "over_limit": over,
+                              "share": round(over / len(turns), 4)}  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"{over:,} of {len(turns):,} turns" in text and f"--context-rule {rule}" in text
+    assert effect in text

@@ -8,6 +8,7 @@ one process with two real NIXL agents (UCX)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -276,42 +277,12 @@ def _tokens_kv(cache_t: torch.Tensor, table: list[int], start: int, end: int):  
 
 def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    m = cfg.spec.model
-    ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
-    decode, dcaches = _named_worker(tmp_path, cfg, "decode-0")
-    prefill, pcaches = _named_worker(tmp_path, cfg, "prefill-0")
-    gen = torch.Generator().manual_seed(3)
-    tokens = [5 + i % 300 for i in range(400)]
-    kv = {
-        layer: (torch.randn(400, m.kv_heads, m.head_dim, generator=gen),
-                torch.randn(400, m.kv_heads, m.head_dim, generator=gen))
-        for layer in dcaches
-    }  # fmt: skip
-    # an earlier turn saved tokens [0, 256) to the store
-    dsched = SchedulerSide(VB, SB, ids)
-    r0 = _request("r0", tokens[:300])
-    dsched.get_num_new_matched_tokens(r0, 0)
-    plan = dsched.build(_step("r0", tokens[:300], [9, 10, 11], 0, 300))
-    slots0 = torch.tensor(blocks.slots([9, 10, 11], 0, 300, VB))
-    _forward(decode, dcaches, plan, lambda layer: (slots0, kv[layer][0][:300], kv[layer][1][:300]))
-    # the decode parks the turn as a receiver and reads its hit into its own blocks
-    deadline = time.time() + 120
-    rd = _request("rd", tokens, Route(256, "decode", xfer_id="t/1", receive=True,
-                                      deadline_unix=deadline))  # fmt: skip
-    assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
-    dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
-    decode.start_load(dsched.build(_empty_step()))
-    ready = decode.wait_ready("t/1", 60)
+    decode, dcaches, prefill, pcaches, tokens, kv, scheds = _path_d_pair(tmp_path, cfg, "t/1")
+    # the decode answers at once (its hit streams while it is read); the prefill streams the
+    # hit from the decode layer by layer, computes the rest, sends it
+    plan, ready = _path_d_sender_plan(decode, scheds, tokens, "t/1")
     assert ready.hit_tokens == 256 and ready.target.block_ids == (1, 2, 3, 4)
-    for layer, t in dcaches.items():
-        assert torch.equal(_tokens_kv(t, [1, 2], 0, 256)[0], kv[layer][0][:256])
-    # the prefill streams the hit from the decode layer by layer, computes the rest, sends it
-    psched = SchedulerSide(VB, SB, ids)
-    rp = _request("rp", tokens, Route(256, "decode", xfer_id="t/1", deadline_unix=deadline,
-                                      send_to=ready.target))  # fmt: skip
-    assert psched.get_num_new_matched_tokens(rp, 0) == (256, False)
-    psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
-    plan = psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    assert ready.target.progress_address
     new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
     _forward(prefill, pcaches, plan,
              lambda layer: (new_slots, kv[layer][0][256:], kv[layer][1][256:]))  # fmt: skip
@@ -326,6 +297,7 @@ def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path:
         time.sleep(0.005)
     assert got == {"rd"} and decode.take_load_errors() == set()
     for layer, t in dcaches.items():  # every prompt token but the last is in the decode's
+        assert torch.equal(_tokens_kv(t, [1, 2], 0, 256)[0], kv[layer][0][:256])
         k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
         assert torch.equal(k, kv[layer][0][:399]) and torch.equal(v, kv[layer][1][:399])
     decode.shutdown()
@@ -370,4 +342,158 @@ def test_a_failed_hit_read_recomputes_the_hit_and_sends_nothing_that_step(tmp_pa
     _forward(prefill, pcaches, plan)
     assert prefill.take_load_errors() == {5, 6}
     assert "t/2" not in prefill._sent
+    prefill.shutdown()
+
+
+class _GatedReads:
+    """The decode's store reads, each layer from 1 on held until the test opens its gate."""
+
+    def __init__(self, queue, layers: int) -> None:  # noqa: ANN001
+        self.queue, self.submit_real = queue, queue.submit
+        self.gates = [threading.Event() for _ in range(layers)]
+        self.gates[0].set()
+        self.asked: list[int] = []  # layers the decode's reader asked for, in order
+        queue.submit = self.submit
+
+    def submit(self, ids, out=None):  # noqa: ANN001, ANN201
+        handle = self.submit_real(ids, out)
+        real = handle.layer_sync
+
+        def layer_sync(layer: int, timeout: float | None = None):  # noqa: ANN202
+            self.asked.append(layer)
+            assert self.gates[layer].wait(60), f"layer {layer}'s gate never opened"
+            return real(layer, timeout)
+
+        handle.layer_sync = layer_sync
+        return handle
+
+
+def test_path_d_waits_for_layer_l_only_while_later_layers_are_still_read(tmp_path: Path) -> None:
+    """The pipeline storage -> decode -> prefill: the prefill's wait for layer 0 of a path-D
+    hit returns (with layer 0's KV, from the decode's cache) while the decode's store read of
+    layer 1 is still held; each later layer's wait returns once that layer is let through."""
+    cfg = _cfg(tmp_path)
+    m = cfg.spec.model
+    assert m.layers >= 2
+    decode, dcaches, prefill, pcaches, tokens, kv, scheds = _path_d_pair(tmp_path, cfg, "t/3")
+    gated = _GatedReads(decode.read_queue, m.layers)
+    plan, _ = _path_d_sender_plan(decode, scheds, tokens, "t/3")
+    new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
+    waited: list[int] = []  # layers whose wait returned with their KV, the next one held
+
+    def forward() -> None:
+        prefill.start_load(plan)
+        for layer, t in pcaches.items():
+            prefill.wait_for_layer(layer)
+            held = layer + 1 == m.layers or not gated.gates[layer + 1].is_set()
+            got = _tokens_kv(t, [5, 6], 0, 256)[0]
+            waited.append(layer if held and torch.equal(got, kv[layer][0][:256]) else -1)
+            cache.write_tokens(t, new_slots, kv[layer][0][256:], kv[layer][1][256:])
+            prefill.save_layer(plan, layer, t)
+        prefill.finish_loads()
+        prefill.wait_for_save()
+
+    fwd = threading.Thread(target=forward)
+    fwd.start()
+    for layer in range(1, m.layers):  # let layer l be read once the prefill has layer l-1
+        for _ in range(6000):  # bounded polls, not a timing assertion
+            if len(waited) >= layer or not fwd.is_alive():
+                break
+            time.sleep(0.01)
+        assert waited == list(range(layer)), "the prefill's wait for a layer needed a later one"
+        gated.gates[layer].set()
+    fwd.join(60)
+    assert not fwd.is_alive() and waited == list(range(m.layers))
+    assert gated.asked == list(range(m.layers))  # the decode read each layer once, in order
+    assert prefill.take_load_errors() == set()
+    got: set[str] = set()
+    for _ in range(2000):
+        got |= decode.finished_receiving()
+        if got:
+            break
+        time.sleep(0.005)
+    assert got == {"rd"} and decode.take_load_errors() == set()
+    for layer, t in dcaches.items():
+        k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
+        assert torch.equal(k, kv[layer][0][:399]) and torch.equal(v, kv[layer][1][:399])
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def _path_d_pair(tmp: Path, cfg, xfer_id: str):  # noqa: ANN001, ANN202
+    """A decode whose store holds tokens [0, 256) of `tokens` (an earlier turn saved them)
+    and whose scheduler half parked the turn as receiver `xfer_id` (path D, hit 256, its
+    blocks 1..4); a prefill; both scheduler halves (decode, prefill)."""
+    m = cfg.spec.model
+    ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
+    decode, dcaches = _named_worker(tmp, cfg, "decode-0")
+    prefill, pcaches = _named_worker(tmp, cfg, "prefill-0")
+    gen = torch.Generator().manual_seed(5)
+    tokens = [7 + i % 200 for i in range(400)]
+    kv = {
+        layer: (torch.randn(400, m.kv_heads, m.head_dim, generator=gen),
+                torch.randn(400, m.kv_heads, m.head_dim, generator=gen))
+        for layer in dcaches
+    }  # fmt: skip
+    dsched = SchedulerSide(VB, SB, ids)
+    r0 = _request("r0", tokens[:300])
+    dsched.get_num_new_matched_tokens(r0, 0)
+    plan = dsched.build(_step("r0", tokens[:300], [9, 10, 11], 0, 300))
+    slots0 = torch.tensor(blocks.slots([9, 10, 11], 0, 300, VB))
+    _forward(decode, dcaches, plan, lambda layer: (slots0, kv[layer][0][:300], kv[layer][1][:300]))
+    rd = _request("rd", tokens, Route(256, "decode", xfer_id=xfer_id, receive=True,
+                                      deadline_unix=time.time() + 120))  # fmt: skip
+    assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
+    dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
+    return decode, dcaches, prefill, pcaches, tokens, kv, (dsched, SchedulerSide(VB, SB, ids))
+
+
+def _path_d_sender_plan(decode: WorkerSide, scheds, tokens: list[int], xfer_id: str):  # noqa: ANN001, ANN202
+    """The decode starts its receiver (its store read runs) and answers the rendezvous; the
+    prefill's first step, and the answer."""
+    dsched, psched = scheds
+    decode.start_load(dsched.build(_empty_step()))
+    ready = decode.wait_ready(xfer_id, 60)
+    rp = _request("rp", tokens, Route(ready.hit_tokens, "decode", xfer_id=xfer_id,
+                                      deadline_unix=time.time() + 120, send_to=ready.target))  # fmt: skip
+    psched.get_num_new_matched_tokens(rp, 0)
+    psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
+    return psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144)), ready
+
+
+def test_a_hit_the_decode_could_not_read_is_recomputed_and_sent_in_the_next_step(
+    tmp_path: Path,
+) -> None:
+    """Every store block is corrupt: the decode's read of its hit fails part-way, the prefill
+    (streaming it) recomputes the hit and its step sends nothing; the recompute step, which
+    vLLM starts after its forward (it has no load), sends; the decode, whose own hit ended
+    at 0, recomputes the blocks it was not sent (load errors), never a wrong answer."""
+    cfg = _cfg(tmp_path)
+    decode, _, prefill, pcaches, tokens, _, scheds = _path_d_pair(tmp_path, cfg, "t/4")
+    for p in (tmp_path / "kv" / "blocks").rglob("*"):
+        if p.is_file():  # 64 bytes of garbage in the middle of every block
+            with open(p, "r+b") as f:
+                f.seek(p.stat().st_size // 2)
+                f.write(os.urandom(64))
+    plan, _ = _path_d_sender_plan(decode, scheds, tokens, "t/4")
+    _forward(prefill, pcaches, plan)
+    assert prefill.take_load_errors() == {5, 6} and "t/4" not in prefill._sent
+    st = scheds[1]._reqs["rp"]
+    again = StepPlan()
+    scheds[1]._send(again, "rp", st, 0, 400)  # the recompute step computes every token
+    for layer, t in pcaches.items():  # vLLM's order in a step without loads
+        prefill.wait_for_layer(layer)
+        prefill.save_layer(again, layer, t)
+    prefill.start_load(again)
+    prefill.finish_loads()
+    prefill.wait_for_save()
+    assert "t/4" in prefill._sent
+    got: set[str] = set()
+    for _ in range(2000):  # bounded polls, not a timing assertion
+        got |= decode.finished_receiving()
+        if got:
+            break
+        time.sleep(0.005)
+    assert got == {"rd"} and decode.take_load_errors() == {1, 2, 3, 4}
+    decode.shutdown()
     prefill.shutdown()

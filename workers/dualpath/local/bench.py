@@ -267,6 +267,8 @@ class PolicyResult:
     snic_caps_bytes_per_s: float
     pooled_snic_util: float
     turns_by_path: dict[str, int] = field(default_factory=dict)
+    # engine vllm: where the phase's time went (`phase_breakdown`)
+    breakdown: dict[str, Any] = field(default_factory=dict)
     # "": ran every planned turn; "deadline": cut at its phase's deadline (--budget-s);
     # "interrupted": SIGINT/SIGTERM, the figures of the turns done so far
     cut: str = ""
@@ -510,6 +512,86 @@ def summarize(
     )
 
 
+# the connector's time counters a vLLM worker's /metrics carries (its vLLM process's)
+VLLM_SECONDS = {
+    "dualpath_vllm_forward_seconds": "forward_s",
+    "dualpath_vllm_load_wait_seconds": "load_wait_s",
+    "dualpath_vllm_save_wait_seconds": "save_wait_s",
+    "dualpath_vllm_hit_read_seconds": "hit_read_s",
+}
+
+
+def phase_breakdown(
+    seconds: dict[str, dict[str, float]],
+    elapsed_s: float,
+    bytes_read: dict[str, int],
+    snic_bytes_per_s: float,
+    nodes: dict[str, int],
+) -> dict[str, Any]:
+    """Where a vLLM phase's time went, from the connector's counters over the measured
+    window (`seconds[role][VLLM_SECONDS value]`, summed over the role's instances): the
+    prefill instance's forwards, of them the time blocked on hit KV and on sends and saves,
+    the rest its compute; the decode instances' store reads (path D). The storage alone
+    would take `storage_s`: the busiest side's bytes through its SNICs (each of
+    `snic_bytes_per_s`). `bound` is storage when the busiest SNICs were busy at least as
+    much of the time as the prefill instance computed, else compute."""
+    pre, dec = seconds.get("prefill", {}), seconds.get("decode", {})
+    compute_s = (
+        pre.get("forward_s", 0.0) - pre.get("load_wait_s", 0.0) - pre.get("save_wait_s", 0.0)
+    )
+    storage_s = max(
+        bytes_read.get(role, 0) / (snic_bytes_per_s * n) for role, n in nodes.items() if n
+    )
+    snic_busy = storage_s / elapsed_s if elapsed_s else 0.0
+    compute_busy = compute_s / elapsed_s if elapsed_s else 0.0
+    return {
+        "prefill_forward_s": round(pre.get("forward_s", 0.0), 2),
+        "prefill_load_wait_s": round(pre.get("load_wait_s", 0.0), 2),
+        "prefill_save_wait_s": round(pre.get("save_wait_s", 0.0), 2),
+        "prefill_compute_s": round(compute_s, 2),
+        "decode_forward_s": round(dec.get("forward_s", 0.0), 2),
+        "decode_hit_read_s": round(dec.get("hit_read_s", 0.0), 2),
+        "storage_s": round(storage_s, 2),
+        "busiest_snic_busy": round(snic_busy, 3),
+        "prefill_compute_busy": round(compute_busy, 3),
+        "bound": "storage" if snic_busy >= compute_busy else "compute",
+    }
+
+
+def breakdown_lines(results: list[PolicyResult]) -> list[str]:
+    """One line a phase: where its time went and what bound it (engine vllm)."""
+    lines = []
+    for r in results:
+        b = r.breakdown
+        if not b:
+            continue
+        verdict = (
+            "storage-bound"
+            if b["bound"] == "storage"
+            else "NOT storage-bound (compute-bound: the SNIC cap is not what limits this phase)"
+        )
+        lines.append(
+            f"{r.policy}: {verdict}; of {r.elapsed_s:.0f} s the busiest SNICs read "
+            f"{b['busiest_snic_busy']:.2f}, the prefill vLLM computed {b['prefill_compute_busy']:.2f} "
+            f"(forwards {b['prefill_forward_s']:.0f} s: compute {b['prefill_compute_s']:.0f}, "
+            f"waiting for hit KV {b['prefill_load_wait_s']:.0f}, sends+saves "
+            f"{b['prefill_save_wait_s']:.0f}); decode forwards {b['decode_forward_s']:.0f} s, "
+            f"decode store reads {b['decode_hit_read_s']:.0f} s; storage alone "
+            f"{b['storage_s']:.0f} s"
+        )
+    return lines
+
+
+def storage_only_ratio(results: list[PolicyResult]) -> float | None:
+    """dualpath / prefill-read throughput were the storage all that bound them: the ratio of
+    their storage-alone times (`phase_breakdown`), for the same turns."""
+    by = {r.policy: r for r in results}
+    pr, dp = by.get("prefill-read"), by.get("dualpath")
+    if not (pr and dp and pr.breakdown and dp.breakdown and dp.breakdown["storage_s"]):
+        return None
+    return round(pr.breakdown["storage_s"] / dp.breakdown["storage_s"], 3)
+
+
 def replay_on(
     frontend: str,
     cfg: config.ClusterConfig,
@@ -647,6 +729,12 @@ def table(results: list[PolicyResult], ratio: float | None) -> str:
         )
     if ratio is not None:
         lines.append(f"ratio (dualpath / prefill-read tokens/s) = {ratio:.2f}")
+    lines.extend(breakdown_lines(results))
+    storage_ratio = storage_only_ratio(results)
+    if storage_ratio is not None:
+        lines.append(
+            f"ratio were storage all that bound them (storage-alone times) = {storage_ratio:.2f}"
+        )
     for r in results:
         if r.cut:
             why = "its deadline" if r.cut == "deadline" else "a stop signal"

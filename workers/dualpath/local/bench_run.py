@@ -20,6 +20,7 @@ from dualpath import config
 from dualpath.local import budget
 from dualpath.local.bench import (
     OFFLINE_SIZE,
+    VLLM_SECONDS,
     PolicyResult,
     Progress,
     SnicCalibration,
@@ -27,11 +28,13 @@ from dualpath.local.bench import (
     base_config,
     bench_config,
     calibrate_snic,
+    phase_breakdown,
     plot,
     policy_config,
     replay_on,
     seed_storage,
     signal_name,
+    storage_only_ratio,
     summarize,
     table,
     trace_spec,
@@ -41,23 +44,33 @@ from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
 
 
-def scrape_read_bytes(metrics_url: str) -> int:
+def scrape_counters(metrics_url: str, names: set[str]) -> dict[str, float]:
+    """The totals of the counter families `names` on one /metrics page (every label summed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=5) as r:  # noqa: S310 (local URL)
         text = r.read().decode()
-    total = 0.0
+    out = dict.fromkeys(names, 0.0)
     for fam in text_string_to_metric_families(text):
-        if fam.name == "dualpath_kv_read_bytes":
-            total += sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    return int(total)
+        if fam.name in names:
+            out[fam.name] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    return out
 
 
-def _bytes_by_path(workers: dict[str, str]) -> dict[str, int]:
-    out = {"prefill": 0, "decode": 0}
+READ_BYTES = "dualpath_kv_read_bytes"
+
+
+def _counters_by_role(workers: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The read bytes and the vLLM connector's seconds, summed per role (prefill, decode)."""
+    out: dict[str, dict[str, float]] = {}
     for name, health in workers.items():
         role = name.split("-", 1)[0]
-        out[role] += scrape_read_bytes(health.rsplit("/", 1)[0] + "/metrics")
+        got = scrape_counters(health.rsplit("/", 1)[0] + "/metrics", {READ_BYTES, *VLLM_SECONDS})
+        mine = out.setdefault(role, dict.fromkeys(got, 0.0))
+        for k, v in got.items():
+            mine[k] += v
+    for role in ("prefill", "decode"):
+        out.setdefault(role, dict.fromkeys((READ_BYTES, *VLLM_SECONDS), 0.0))
     return out
 
 
@@ -100,7 +113,7 @@ def run_policy(
         mark: dict[str, Any] = {}
 
         def on_warm() -> None:  # the steady state starts: counters and clock from here
-            mark["before"] = _bytes_by_path(cluster.endpoints.workers)
+            mark["before"] = _counters_by_role(cluster.endpoints.workers)
             mark["t0"] = time.perf_counter()
 
         def figures(cut: str) -> PolicyResult | None:
@@ -108,10 +121,25 @@ def run_policy(
                 return None  # still warming up: nothing measured
             ends = [r.end_s for r in results if r.ok and not r.warmup]
             elapsed = (max(ends) if ends else time.perf_counter()) - mark["t0"]
-            after = _bytes_by_path(cluster.endpoints.workers)
-            read = {k: after[k] - mark["before"][k] for k in after}
+            after = _counters_by_role(cluster.endpoints.workers)
+            delta = {
+                role: {k: v - mark["before"][role][k] for k, v in after[role].items()}
+                for role in after
+            }
+            read = {role: int(d[READ_BYTES]) for role, d in delta.items()}
             res = summarize(policy, results, elapsed, read, caps)
             res.cut = cut
+            if pcfg.spec.workers.engine == "vllm":
+                seconds = {
+                    role: {VLLM_SECONDS[k]: d[k] for k in VLLM_SECONDS} for role, d in delta.items()
+                }
+                res.breakdown = phase_breakdown(
+                    seconds,
+                    elapsed,
+                    read,
+                    gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps),
+                    {"prefill": pcfg.spec.prefill.replicas, "decode": pcfg.spec.decode.replicas},
+                )
             return res
 
         try:
@@ -372,6 +400,8 @@ def result_doc(
     return {
         "bench": "local",
         "ratio": ratio,
+        # engine vllm: the ratio were storage all that bound both (`phase_breakdown`)
+        "storage_only_ratio": storage_only_ratio(out),
         "same_greedy_answers": same,
         "compared_turns": len(keys),
         # each agent's first turns, served once before the policies: no second answer to compare

@@ -54,6 +54,14 @@ log = logging.getLogger(__name__)
 
 ARRIVE, PREFILL_WAKE, PREFILL_DONE, DECODE_DONE, RETRY, WARMUP = 0, 1, 2, 3, 4, 5
 CONTEXT_RULES = ("truncate", "refuse")
+# what each rule does to a turn whose prompt + output exceeds the limit, and so to the figures
+CONTEXT_RULE_EFFECT = {
+    "truncate": "served cut to the limit (the prompt's first limit - output tokens, the output "
+    "at most half the limit, the hit capped to the cut prompt): it counts in goodput and the "
+    "SLO with its cut tokens, so the longest sessions weigh less than recorded",
+    "refuse": "skipped and counted as refused: it counts in no figure, and its session goes on "
+    "with its next turn",
+}
 # Resources whose utilisation a run reports; the highest binds.
 RESOURCES = (
     "prefill_gpu",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from dualpath.config import ModelSpec
-from dualpath.sim.engine import CONTEXT_RULES
+from dualpath.sim.engine import CONTEXT_RULE_EFFECT, CONTEXT_RULES
 from dualpath.sim.model import context_limit
 
 
@@ -22,8 +22,9 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
         "--context-rule",
         choices=CONTEXT_RULES,
         default="truncate",
-        help="a turn over the limit: truncate (keep the prompt's first limit-gen tokens) or "
-        "refuse it (counted)",
+        help="a turn whose prompt + output exceeds --max-context: "
+        + "; ".join(f"{rule}: {effect}" for rule, effect in CONTEXT_RULE_EFFECT.items())
+        + " (default truncate; `dualpath plan` says how many turns were over the limit)",
     )
 
 

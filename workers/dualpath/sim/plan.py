@@ -32,7 +32,7 @@ from typing import Any
 from dualpath import trace
 from dualpath.config import ModelSpec
 from dualpath.scheduler.policy import get_policy
-from dualpath.sim.engine import SimConfig, Simulator, percentile
+from dualpath.sim.engine import CONTEXT_RULE_EFFECT, SimConfig, Simulator, percentile
 from dualpath.sim.model import CostModel, Hardware
 from dualpath.sim.options import add_context_arguments, context_limit_of
 from dualpath.sim.points import BASELINE, Point, compare, hardware, ties
@@ -758,6 +758,7 @@ def _result(
         "warmup_s": planner.warmup_s,
         "context_limit_tokens": planner.max_context_tokens,
         "context_rule": planner.context_rule,
+        "context": context_share(planner.recorded, planner.max_context_tokens),
         "think_cap_s": args.think_cap,
         "best": {pol: pt.row() for pol, pt in best.items()},
         "ties": {
@@ -772,6 +773,29 @@ def _result(
         out["dualpath_over_baseline_interval"] = cmp["interval"]
         out["dualpath_over_baseline_per_seed"] = cmp["per_seed"]
     return out
+
+
+def context_share(recorded: list[trace.Trajectory], limit: int) -> dict[str, Any]:
+    """How many of the trace's turns (subagents included) exceed the context limit: prompt +
+    output over `limit` tokens (0: no limit)."""
+    turns = over = 0
+    for _, _, t, prompt, _ in trace.iter_turns(recorded):
+        turns += 1
+        over += bool(limit) and prompt + t.gen_tokens > limit
+    return {"turns": turns, "over_limit": over, "share": round(over / max(turns, 1), 4)}
+
+
+def context_line(result: dict[str, Any]) -> str:
+    """The plan's sentence on the turns over the context limit and what it did with them."""
+    c, limit = result["context"], result["context_limit_tokens"]
+    if not limit:
+        return f"context: no limit (--max-context 0): all {c['turns']:,} turns served as recorded"
+    rule = result["context_rule"]
+    return (
+        f"context: {c['over_limit']:,} of {c['turns']:,} turns in the trace "
+        f"({100 * c['share']:.1f}%) exceed the {limit:,}-token limit; --context-rule {rule}: "
+        f"each is {CONTEXT_RULE_EFFECT[rule]}"
+    )
 
 
 def _tok(r: dict[str, Any]) -> str:
@@ -825,6 +849,7 @@ def table(result: dict[str, Any]) -> str:
         "seeds (+: none missed below the cap); * best, = not told apart from the best "
         "(intervals overlap)"
     )
+    lines.append(context_line(result))
     lines.append("best per policy (*):")
     for pol, r in result["best"].items():
         u = r["utilisation"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dualpath.v1 import scheduler_pb2 as dualpath_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpath/v1/worker.proto\x12\x0b\x64ualpath.v1\x1a\x1b\x64ualpath/v1/scheduler.proto\"\xd3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x12\n\nhit_tokens\x18\x04 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12(\n\tread_path\x18\x06 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x14\n\x0cprefill_node\x18\x07 \x01(\t\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x13\n\x0bstop_tokens\x18\t \x03(\x05\x12\x13\n\x0btemperature\x18\n \x01(\x01\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x12\n\ncache_salt\x18\x0c \x01(\x0c\x12\r\n\x05top_p\x18\r \x01(\x01\x12\r\n\x05top_k\x18\x0e \x01(\x05\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\"\x8d\x01\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\nhit_tokens\x18\x03 \x01(\x03\x12(\n\tread_path\x18\x04 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\")\n\x06Region\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xd9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x12\n\nhit_tokens\x18\x03 \x01(\x03\x12(\n\tread_path\x18\x04 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_agent\x18\x06 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_agent_metadata\x18\x07 \x01(\x0c\x12\'\n\ndecode_hit\x18\x08 \x01(\x0b\x32\x13.dualpath.v1.Region\x12\'\n\ndecode_new\x18\t \x01(\x0b\x32\x13.dualpath.v1.Region\x12\x12\n\ncache_salt\x18\n \x01(\x0c\x12.\n\x0b\x64\x65\x63ode_vllm\x18\x0b \x01(\x0b\x32\x19.dualpath.v1.VllmKvTarget\"w\n\x0cVllmKvTarget\x12\x17\n\x0flayer_addresses\x18\x01 \x03(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\x12\x0f\n\x07xfer_id\x18\x05 \x01(\t\"r\n\x0fPrefillAccepted\x12\x15\n\rprefill_agent\x18\x01 \x01(\t\x12\x1e\n\x16prefill_agent_metadata\x18\x02 \x01(\x0c\x12(\n\x0bprefill_hit\x18\x03 \x01(\x0b\x32\x13.dualpath.v1.Region\"e\n\x0bPrefillDone\x12\x13\n\x0blast_logits\x18\x01 \x01(\x0c\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"t\n\x0ePrefillMessage\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.dualpath.v1.PrefillAcceptedH\x00\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x18.dualpath.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"\x15\n\x13TransferInfoRequest\"v\n\x0cTransferInfo\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x1f\n\x04role\x18\x04 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x13\n\x0b\x63onfig_hash\x18\x05 \x01(\t2\xe7\x01\n\x06Worker\x12\x46\n\x08Generate\x12\x1c.dualpath.v1.GenerateRequest\x1a\x1a.dualpath.v1.GenerateChunk0\x01\x12\x45\n\x07Prefill\x12\x1b.dualpath.v1.PrefillRequest\x1a\x1b.dualpath.v1.PrefillMessage0\x01\x12N\n\x0fGetTransferInfo\x12 .dualpath.v1.TransferInfoRequest\x1a\x19.dualpath.v1.TransferInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpath/v1/worker.proto\x12\x0b\x64ualpath.v1\x1a\x1b\x64ualpath/v1/scheduler.proto\"\xd3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x12\n\nhit_tokens\x18\x04 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12(\n\tread_path\x18\x06 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x14\n\x0cprefill_node\x18\x07 \x01(\t\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x13\n\x0bstop_tokens\x18\t \x03(\x05\x12\x13\n\x0btemperature\x18\n \x01(\x01\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x12\n\ncache_salt\x18\x0c \x01(\x0c\x12\r\n\x05top_p\x18\r \x01(\x01\x12\r\n\x05top_k\x18\x0e \x01(\x05\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\"\x8d\x01\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\nhit_tokens\x18\x03 \x01(\x03\x12(\n\tread_path\x18\x04 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\")\n\x06Region\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xd9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x12\n\nhit_tokens\x18\x03 \x01(\x03\x12(\n\tread_path\x18\x04 \x01(\x0e\x32\x15.dualpath.v1.ReadPath\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_agent\x18\x06 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_agent_metadata\x18\x07 \x01(\x0c\x12\'\n\ndecode_hit\x18\x08 \x01(\x0b\x32\x13.dualpath.v1.Region\x12\'\n\ndecode_new\x18\t \x01(\x0b\x32\x13.dualpath.v1.Region\x12\x12\n\ncache_salt\x18\n \x01(\x0c\x12.\n\x0b\x64\x65\x63ode_vllm\x18\x0b \x01(\x0b\x32\x19.dualpath.v1.VllmKvTarget\"\x91\x01\n\x0cVllmKvTarget\x12\x17\n\x0flayer_addresses\x18\x01 \x03(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\x12\x0f\n\x07xfer_id\x18\x05 \x01(\t\x12\x18\n\x10progress_address\x18\x06 \x01(\x04\"r\n\x0fPrefillAccepted\x12\x15\n\rprefill_agent\x18\x01 \x01(\t\x12\x1e\n\x16prefill_agent_metadata\x18\x02 \x01(\x0c\x12(\n\x0bprefill_hit\x18\x03 \x01(\x0b\x32\x13.dualpath.v1.Region\"e\n\x0bPrefillDone\x12\x13\n\x0blast_logits\x18\x01 \x01(\x0c\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"t\n\x0ePrefillMessage\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.dualpath.v1.PrefillAcceptedH\x00\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x18.dualpath.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"\x15\n\x13TransferInfoRequest\"v\n\x0cTransferInfo\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x1f\n\x04role\x18\x04 \x01(\x0e\x32\x11.dualpath.v1.Role\x12\x13\n\x0b\x63onfig_hash\x18\x05 \x01(\t2\xe7\x01\n\x06Worker\x12\x46\n\x08Generate\x12\x1c.dualpath.v1.GenerateRequest\x1a\x1a.dualpath.v1.GenerateChunk0\x01\x12\x45\n\x07Prefill\x12\x1b.dualpath.v1.PrefillRequest\x1a\x1b.dualpath.v1.PrefillMessage0\x01\x12N\n\x0fGetTransferInfo\x12 .dualpath.v1.TransferInfoRequest\x1a\x19.dualpath.v1.TransferInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,18 +40,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGION']._serialized_end=597
   _globals['_PREFILLREQUEST']._serialized_start=600
   _globals['_PREFILLREQUEST']._serialized_end=945
-  _globals['_VLLMKVTARGET']._serialized_start=947
-  _globals['_VLLMKVTARGET']._serialized_end=1066
-  _globals['_PREFILLACCEPTED']._serialized_start=1068
-  _globals['_PREFILLACCEPTED']._serialized_end=1182
-  _globals['_PREFILLDONE']._serialized_start=1184
-  _globals['_PREFILLDONE']._serialized_end=1285
-  _globals['_PREFILLMESSAGE']._serialized_start=1287
-  _globals['_PREFILLMESSAGE']._serialized_end=1403
-  _globals['_TRANSFERINFOREQUEST']._serialized_start=1405
-  _globals['_TRANSFERINFOREQUEST']._serialized_end=1426
-  _globals['_TRANSFERINFO']._serialized_start=1428
-  _globals['_TRANSFERINFO']._serialized_end=1546
-  _globals['_WORKER']._serialized_start=1549
-  _globals['_WORKER']._serialized_end=1780
+  _globals['_VLLMKVTARGET']._serialized_start=948
+  _globals['_VLLMKVTARGET']._serialized_end=1093
+  _globals['_PREFILLACCEPTED']._serialized_start=1095
+  _globals['_PREFILLACCEPTED']._serialized_end=1209
+  _globals['_PREFILLDONE']._serialized_start=1211
+  _globals['_PREFILLDONE']._serialized_end=1312
+  _globals['_PREFILLMESSAGE']._serialized_start=1314
+  _globals['_PREFILLMESSAGE']._serialized_end=1430
+  _globals['_TRANSFERINFOREQUEST']._serialized_start=1432
+  _globals['_TRANSFERINFOREQUEST']._serialized_end=1453
+  _globals['_TRANSFERINFO']._serialized_start=1455
+  _globals['_TRANSFERINFO']._serialized_end=1573
+  _globals['_WORKER']._serialized_start=1576
+  _globals['_WORKER']._serialized_end=1807
 # @@protoc_insertion_point(module_scope)

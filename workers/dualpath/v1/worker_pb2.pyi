@@ -90,18 +90,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., hit_tokens: _Optional[int] = ..., read_path: _Optional[_Union[_scheduler_pb2.ReadPath, str]] = ..., decode_node: _Optional[str] = ..., decode_agent: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., decode_hit: _Optional[_Union[Region, _Mapping]] = ..., decode_new: _Optional[_Union[Region, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., decode_vllm: _Optional[_Union[VllmKvTarget, _Mapping]] = ...) -> None: ...
 
 class VllmKvTarget(_message.Message):
-    __slots__ = ("layer_addresses", "block_bytes", "block_ids", "deadline_unix", "xfer_id")
+    __slots__ = ("layer_addresses", "block_bytes", "block_ids", "deadline_unix", "xfer_id", "progress_address")
     LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     XFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     layer_addresses: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     deadline_unix: float
     xfer_id: str
-    def __init__(self, layer_addresses: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., xfer_id: _Optional[str] = ...) -> None: ...
+    progress_address: int
+    def __init__(self, layer_addresses: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., xfer_id: _Optional[str] = ..., progress_address: _Optional[int] = ...) -> None: ...
 
 class PrefillAccepted(_message.Message):
     __slots__ = ("prefill_agent", "prefill_agent_metadata", "prefill_hit")

@@ -372,6 +372,7 @@ class VllmWorker:
                 t.layer_addresses,
                 t.block_bytes,
                 t.block_ids,
+                t.progress_address,
             )
         path_d = order.read_path == "decode" and send_to is not None
         route = Route(
@@ -407,7 +408,8 @@ class VllmWorker:
         order = PrefillOrder(
             request_id=turn.request_id,
             prompt=turn.prompt,
-            # path D: the hit this node's vLLM holds (fewer tokens when a block failed)
+            # path D: the hit this node's vLLM holds or is reading (fewer tokens when a block
+            # failed before the rendezvous answered)
             hit_tokens=ready.hit_tokens if path == "decode" else turn.hit_tokens,
             read_path="decode" if path == "decode" else "prefill",
             decode_node=self.node_id,
@@ -417,7 +419,12 @@ class VllmWorker:
             decode_new=None,
             cache_salt=turn.cache_salt,
             decode_vllm=VllmKvTarget(
-                t.layer_addresses, t.block_bytes, t.block_ids, deadline_unix, xfer_id
+                t.layer_addresses,
+                t.block_bytes,
+                t.block_ids,
+                deadline_unix,
+                xfer_id,
+                t.progress_address,
             ),
         )
         stub = wpb_grpc.WorkerStub(await self._prefills.get(turn.prefill_address))
@@ -477,9 +484,10 @@ class VllmWorker:
                 done, _ = await asyncio.wait({ask, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if ask in done:
                     ready = ask.result()
+                    # path D: the hit streams through this vLLM to the prefill while it is read
+                    await self._prefill_on_peer(turn, path, ready, xfer_id, deadline)
                     self.read_pending_bytes -= reads  # the hit is in this vLLM's blocks now
                     reads = 0
-                    await self._prefill_on_peer(turn, path, ready, xfer_id, deadline)
                 else:
                     ask.cancel()
                     with contextlib.suppress(asyncio.CancelledError, rendezvous.RendezvousError):

@@ -100,6 +100,7 @@ class VllmKvTarget:
     block_ids: tuple[int, ...]
     deadline_unix: float
     xfer_id: str
+    progress_address: int = 0  # path D: the decode's hit read so far (0: all of it)
 
 
 MAX_XFER_ID_CHARS = 256
@@ -246,6 +247,7 @@ def _vllm_target_to_pb(t: VllmKvTarget | None) -> wpb.VllmKvTarget | None:
         block_ids=t.block_ids,
         deadline_unix=t.deadline_unix,
         xfer_id=t.xfer_id,
+        progress_address=t.progress_address,
     )
 
 
@@ -269,7 +271,12 @@ def _vllm_target(msg: wpb.PrefillRequest) -> VllmKvTarget | None:
     if not 0 < len(t.xfer_id) <= MAX_XFER_ID_CHARS:
         raise BadField("decode_vllm.xfer_id", f"must be 1..{MAX_XFER_ID_CHARS} characters")
     return VllmKvTarget(
-        tuple(t.layer_addresses), t.block_bytes, tuple(t.block_ids), t.deadline_unix, t.xfer_id
+        tuple(t.layer_addresses),
+        t.block_bytes,
+        tuple(t.block_ids),
+        t.deadline_unix,
+        t.xfer_id,
+        t.progress_address,
     )
 
 

@@ -50,3 +50,24 @@ TRANSFER_FAILURES = Counter(
     "by the deadline, the decode recomputed)",
     ["path", "stage"],
 )
+# where a vLLM instance's time goes (the bench's per-phase breakdown): its forwards' wall time
+# (start_load_kv to the end of wait_for_save), of it the time blocked on hit KV and on saves
+# and sends; and, on a decode instance, the time its receivers spent reading hits (path D)
+FORWARD_SECONDS = Counter(
+    "dualpath_vllm_forward_seconds_total",
+    "wall time of vLLM's forwards (the connector's start_load_kv to the end of wait_for_save)",
+)
+LOAD_WAIT_SECONDS = Counter(
+    "dualpath_vllm_load_wait_seconds_total",
+    "forward time blocked in wait_for_layer_load on hit KV, by read path",
+    ["path"],
+)
+SAVE_WAIT_SECONDS = Counter(
+    "dualpath_vllm_save_wait_seconds_total",
+    "forward time in wait_for_save (NIXL sends to the decode, store writes)",
+)
+HIT_READ_SECONDS = Counter(
+    "dualpath_vllm_hit_read_seconds_total",
+    "time a decode instance's receivers spent reading their hits from the store (path D, off "
+    "the forward thread, streamed to the prefill layer by layer)",
+)

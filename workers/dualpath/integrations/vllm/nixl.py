@@ -6,7 +6,13 @@ is (num_blocks, heads, block_size, 2 * head_dim) per layer, so one vLLM block of
 contiguous: `block_bytes` at `base + block * block_bytes`, and a transfer is one descriptor
 per (layer, block) (`block_descs`, pure). A sender (prefill) READs the hit from the decode's
 blocks (path D) and WRITEs the blocks the decode lacks, then notifies the transfer's id; the
-receiver (decode) only polls notifications. As in `dualpath.transfer.engine`: UCX backend, no
+receiver (decode) only polls notifications.
+Path D's pipeline: each agent also registers `PROGRESS_SLOTS` 8-byte progress words. A
+receiver reading its hit from the store publishes in its word how many layers are in its cache
+and how many tokens of the hit are valid (`progress_word`, pure); the sender READs that word
+(`read_progress`) and reads layer l as soon as the word says it is there, while the receiver
+reads layer l+1 from the store. One more word is where a sender's polls land (only vLLM's
+forward thread polls). As in `dualpath.transfer.engine`: UCX backend, no
 progress thread (progress is driven by the polls), every wait bounded by a deadline, a failed
 transfer raises `TransferError` naming the peer, and the handle is released (or kept and
 released later when UCX cannot cancel it yet).
@@ -28,6 +34,19 @@ from dualpath.transfer.protocol import TransferError, release_leaked
 log = logging.getLogger(__name__)
 
 POLL_S = 0.0005  # a waiting transfer's poll period after its first spin
+PROGRESS_SLOTS = 1024  # receivers a decode instance can stream at once (and a sender's polls)
+_TOKENS_BITS = 32
+
+
+def progress_word(layers: int, tokens: int) -> int:
+    """A receiver's progress: `layers` layers of the hit are in its cache, each holding the
+    hit's first `tokens` tokens (both only ever grow and shrink, respectively)."""
+    return (layers << _TOKENS_BITS) | tokens
+
+
+def progress_of(word: int) -> tuple[int, int]:
+    """(layers, tokens) of a progress word."""
+    return word >> _TOKENS_BITS, word & ((1 << _TOKENS_BITS) - 1)
 
 
 def block_descs(
@@ -60,18 +79,52 @@ class KvAgent:
             c = caches[i]
             if not c.is_contiguous() or c[0].numel() * c.element_size() != self.block_bytes:
                 raise ValueError(f"vLLM's KV cache of layer {i} is not contiguous blocks")
-        self._reg = self.agent.register_memory(
-            [(caches[i].data_ptr(), caches[i].nbytes, 0, "") for i in range(self.layers)], "DRAM"
-        )
+        # [0, SLOTS): receivers' progress words; [SLOTS]: where a sender's polls land
+        self.progress = torch.zeros(PROGRESS_SLOTS + 1, dtype=torch.int64)
+        self._free_slots = list(range(PROGRESS_SLOTS))
+        regions = [(caches[i].data_ptr(), caches[i].nbytes, 0, "") for i in range(self.layers)]
+        regions.append((self.progress.data_ptr(), self.progress.nbytes, 0, ""))
+        self._reg = self.agent.register_memory(regions, "DRAM")
         self.metadata: bytes = self.agent.get_agent_metadata()
         self._peers: dict[str, str] = {}  # target agent name -> NIXL's name of it
         self._leaked: list = []
 
-    def target(self, block_ids: Sequence[int]) -> KvTarget:
-        """This cache as a sender addresses it (the receiver's side of the rendezvous)."""
+    def target(self, block_ids: Sequence[int], slot: int | None = None) -> KvTarget:
+        """This cache as a sender addresses it (the receiver's side of the rendezvous); `slot`:
+        the progress word the sender polls before reading each layer (None: the hit is
+        already in the cache)."""
+        progress = 0 if slot is None else self.progress[slot:].data_ptr()
         return KvTarget(
-            self.name, self.metadata, self.layer_addresses, self.block_bytes, tuple(block_ids)
+            self.name,
+            self.metadata,
+            self.layer_addresses,
+            self.block_bytes,
+            tuple(block_ids),
+            progress,
         )
+
+    def take_slot(self, layers: int, tokens: int) -> int | None:
+        """A progress word for one receiver, set to (layers, tokens); None when all are taken
+        (the receiver then reads its whole hit before it answers: no pipeline)."""
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        self.set_progress(slot, layers, tokens)
+        return slot
+
+    def set_progress(self, slot: int, layers: int, tokens: int) -> None:
+        # the layer's KV is written before this store: x86 keeps stores in order
+        self.progress[slot] = progress_word(layers, tokens)
+
+    def give_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    def read_progress(self, t: KvTarget, deadline_unix: float) -> tuple[int, int]:
+        """(layers, tokens) of the receiver's progress word at `t.progress_address`."""
+        local = [(self.progress[PROGRESS_SLOTS:].data_ptr(), 8, 0)]
+        handle = self._post("READ", t, local, [(t.progress_address, 8, 0)], "progress word")
+        self.wait(handle, deadline_unix, f"progress of {t.agent}")
+        return progress_of(int(self.progress[PROGRESS_SLOTS]))
 
     def _peer(self, t: KvTarget) -> str:
         if t.block_bytes != self.block_bytes or len(t.layer_addresses) != self.layers:
@@ -92,22 +145,27 @@ class KvAgent:
         """Start a READ (remote -> local) or WRITE (local -> remote) of one layer's blocks."""
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks")
+        return self._post(
+            op,
+            t,
+            block_descs(self.layer_addresses[layer], self.block_bytes, local),
+            block_descs(t.layer_addresses[layer], t.block_bytes, remote),
+            f"layer {layer}",
+        )
+
+    def _post(self, op: str, t: KvTarget, local: list, remote: list, what: str):  # noqa: ANN201
         peer = self._peer(t)
         try:
-            ldesc = self.agent.get_xfer_descs(
-                block_descs(self.layer_addresses[layer], self.block_bytes, local), "DRAM"
-            )
-            rdesc = self.agent.get_xfer_descs(
-                block_descs(t.layer_addresses[layer], t.block_bytes, remote), "DRAM"
-            )
+            ldesc = self.agent.get_xfer_descs(local, "DRAM")
+            rdesc = self.agent.get_xfer_descs(remote, "DRAM")
             handle = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
             state = self.agent.transfer(handle)
         except Exception as err:
             self._drop(t.agent)
-            raise TransferError(f"{op} of layer {layer} with {t.agent} failed: {err}") from err
+            raise TransferError(f"{op} of {what} with {t.agent} failed: {err}") from err
         if state not in ("PROC", "DONE"):
             self.release(handle)
-            raise TransferError(f"{op} of layer {layer} with {t.agent} failed (state {state})")
+            raise TransferError(f"{op} of {what} with {t.agent} failed (state {state})")
         return handle
 
     def wait(self, handle, deadline_unix: float, what: str) -> None:  # noqa: ANN001

@@ -38,13 +38,16 @@ def _field(name: str) -> str:
 class KvTarget:
     """A decode instance's KV cache as a sender sees it: its NIXL agent (name, metadata), the
     base address of each layer's cache tensor, the bytes of one vLLM block of a layer, and
-    the receiving request's vLLM block ids (block b of layer l: address[l] + b * block_bytes)."""
+    the receiving request's vLLM block ids (block b of layer l: address[l] + b * block_bytes);
+    path D: the address of the receiver's progress word (`nixl.progress_word`: the layers of
+    its hit read from the store so far; 0: the whole hit is in its cache already)."""
 
     agent: str
     metadata: bytes
     layer_addresses: tuple[int, ...]
     block_bytes: int
     block_ids: tuple[int, ...]
+    progress_address: int = 0
 
     def params(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,7 @@ class KvTarget:
             "layer_addresses": list(self.layer_addresses),
             "block_bytes": self.block_bytes,
             "block_ids": list(self.block_ids),
+            "progress_address": self.progress_address,
         }
 
     @classmethod
@@ -81,7 +85,10 @@ class KvTarget:
         block_bytes = raw.get("block_bytes")
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"{_field(name)}.block_bytes must be an int > 0")
-        return cls(agent, metadata, out["layer_addresses"], block_bytes, out["block_ids"])
+        progress = raw.get("progress_address", 0)
+        if not isinstance(progress, int) or progress < 0:
+            raise ValueError(f"{_field(name)}.progress_address must be an int >= 0")
+        return cls(agent, metadata, out["layer_addresses"], block_bytes, out["block_ids"], progress)
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,21 @@ atomic, checksummed) and the store's KV events go to the scheduler's block index
 (`KvEventPublisher`, on a small event loop thread of its own), flushed before the step ends so
 the agent's next turn finds them.
 Between instances (`nixl.KvAgent` over vLLM's own cache, registered at start on both roles):
-- receiver (decode): a `RecvPlan` arrives once vLLM parked the request; path D reads the hit
-  through the read queue into the request's blocks on a thread of its own (only its blocks,
-  off the forward thread); then it is ready and the loopback rendezvous (`rendezvous.py`)
-  answers where to send. Each step `get_finished` polls NIXL notifications: the transfer's
+- receiver (decode): a `RecvPlan` arrives once vLLM parked the request and it is ready: the
+  loopback rendezvous (`rendezvous.py`) answers where to send. Path D reads the hit through
+  the read queue into the request's blocks on a thread of its own (only its blocks, off the
+  forward thread), layer by layer, publishing after each layer how far it got in the
+  request's NIXL progress word: the prefill streams layer l while layer l+1 is read (the
+  pipeline storage -> decode -> prefill). A receiver notified while its read still runs is
+  reported when the read ends; a hit that ended early (a bad block) reports the blocks from
+  its end as load errors (vLLM recomputes them). Each step `get_finished` polls NIXL notifications: the transfer's
   id reports the request received; past its deadline (the prefill died, a transfer failed) it
   is reported received with the blocks past its own hit as load errors, and vLLM recomputes
   them (counted; never a hang, never a wrong answer).
-- sender (prefill): path D's hit is READ from the decode's blocks, every layer posted when the
-  forward starts and `wait_for_layer_load(l)` waiting for layer l (a failure recomputes the
-  hit, as a bad store block does); `save_kv_layer(l)` posts the WRITE of layer l's blocks the
+- sender (prefill): path D's hit is READ from the decode's blocks: `wait_for_layer_load(l)`
+  polls the decode's progress word until layer l is in the decode's cache (posting the READ
+  of every layer that is, as it finds them), then waits for layer l's READ only (a failure
+  recomputes the hit, as a bad store block does; a hit the decode ended early is shortened); `save_kv_layer(l)` posts the WRITE of layer l's blocks the
   decode lacks, and `wait_for_save` waits for them and then notifies the transfer's id. A step
   whose load failed sends nothing (vLLM recomputes and the next step sends); nothing is sent
   past the deadline less `plan.SEND_MARGIN_S`.
@@ -68,6 +73,7 @@ def layer_index(layer_name: str) -> int:
 
 
 POLL_S = 0.0005  # the notification poller's period while receivers wait
+PROGRESS_POLL_S = 0.002  # a sender's period between reads of a receiver's progress word
 SENT_MEMORY = 4096  # transfer ids a sender remembers having sent (never sends one twice)
 
 
@@ -80,13 +86,18 @@ class _Load:
     failed: bool = False
     reads: dict[int, object] = field(default_factory=dict)  # layer -> NIXL READ handle
     xfer_deadline_unix: float = 0.0  # the NIXL reads' (`_xfer_deadline`)
+    posted: int = 0  # layers whose NIXL READ was posted (in order)
 
 
 @dataclass
 class _Recv:
     plan: RecvPlan
     ready: bool = False
-    hit_tokens: int = 0  # tokens of its own hit in the cache (path D), once ready
+    hit_tokens: int = 0  # tokens of its own hit in the cache (path D; planned while reading)
+    answered_tokens: int = -1  # the hit the rendezvous answered (the sender sends from there)
+    slot: int | None = None  # its NIXL progress word while its hit is read (path D)
+    reading: bool = False  # its hit is being read from the store
+    notified: bool = False  # the sender's notification came
 
 
 @dataclass
@@ -139,6 +150,7 @@ class WorkerSide:
         self._sent: OrderedDict[str, None] = OrderedDict()
         self._poller: threading.Thread | None = None
         self._failed_loads: set[str] = set()  # requests whose load failed this step: no send
+        self._load_plan: StepPlan | None = None  # the plan whose loads `_failed_loads` are
         self._arrived: list[bytes] = []  # notifications the poller took, for the next step
         self._closing = False
         self.store = None
@@ -151,6 +163,7 @@ class WorkerSide:
         self._saves: list[_Save] = []
         self._save_plan: StepPlan | None = None
         self._load_errors: set[int] = set()
+        self._forward_t0: float | None = None  # this forward's start (start_load)
 
     # ---- start / stop -------------------------------------------------------------------
 
@@ -247,10 +260,12 @@ class WorkerSide:
     # ---- loads --------------------------------------------------------------------------
 
     def start_load(self, plan: StepPlan) -> None:
+        self._forward_t0 = time.perf_counter()
         for r in plan.recvs:
             self._start_recv(r)
         self._loads = []
         self._failed_loads = set()
+        self._load_plan = plan
         for p in plan.loads:
             if p.source is not None:
                 self._loads.append(self._start_read(p))
@@ -275,13 +290,40 @@ class WorkerSide:
         try:
             if time.time() > ld.xfer_deadline_unix:
                 raise TransferError("its deadline passed before the read started")
-            for layer in range(len(self._caches)):
-                ld.reads[layer] = self.agent.post(
-                    "READ", p.source, layer, p.local_blocks, p.remote_blocks
-                )
+            if not p.source.progress_address:  # the whole hit is in the decode's cache
+                self._post_reads(ld, len(self._caches))
         except TransferError as err:
             self._read_failed(ld, err)
         return ld
+
+    def _post_reads(self, ld: _Load, layers: int) -> None:
+        """Post the READs of layers [posted, layers) of the hit's whole vLLM blocks."""
+        n = ld.loaded_until // self._caches[0].shape[2]
+        p = ld.plan
+        for layer in range(ld.posted, min(layers, len(self._caches))):
+            ld.reads[layer] = self.agent.post(
+                "READ", p.source, layer, p.local_blocks[:n], p.remote_blocks[:n]
+            )
+            ld.posted = layer + 1
+
+    def _stream_until(self, ld: _Load, layer: int) -> None:
+        """Path D's pipeline: poll the decode's progress word until `layer` of the hit is in
+        its cache, posting the READ of each layer found there; a hit the decode's store read
+        ended early is shortened here (vLLM recomputes the rest)."""
+        while ld.posted <= layer and ld.loaded_until:
+            layers, tokens = self.agent.read_progress(ld.plan.source, ld.xfer_deadline_unix)
+            if tokens < ld.loaded_until:
+                self._shorten(ld, tokens)
+                if not ld.loaded_until:
+                    return
+            self._post_reads(ld, layers)
+            if ld.posted <= layer:
+                if time.time() > ld.xfer_deadline_unix:
+                    raise TransferError(
+                        f"layer {layer} of the hit not in {ld.plan.source.agent}'s cache by "
+                        "the deadline"
+                    )
+                time.sleep(PROGRESS_POLL_S)
 
     def _read_failed(self, ld: _Load, err: Exception) -> None:
         for h in ld.reads.values():
@@ -295,35 +337,44 @@ class WorkerSide:
 
     def wait_for_layer(self, layer: int) -> None:
         """Block on `layer`'s read of every hit of this step, then copy it into the cache."""
-        from dualpath.kv.queue import KVLoadError
-
         kv_layer = self._caches[layer]
         for ld in self._loads:
             if ld.loaded_until == 0:
                 continue
-            if ld.plan.source is not None:  # a NIXL read: wait for this layer's
-                try:
+            t0 = time.perf_counter()
+            try:
+                self._wait_one(ld, layer, kv_layer)
+            finally:
+                metrics.LOAD_WAIT_SECONDS.labels(path=ld.plan.path).inc(time.perf_counter() - t0)
+
+    def _wait_one(self, ld: _Load, layer: int, kv_layer: torch.Tensor) -> None:
+        from dualpath.kv.queue import KVLoadError
+
+        if ld.plan.source is not None:  # a NIXL read: wait for this layer's
+            try:
+                self._stream_until(ld, layer)
+                if ld.loaded_until:
                     self.agent.wait(
                         ld.reads.pop(layer),
                         ld.xfer_deadline_unix,
                         f"READ of layer {layer} from {ld.plan.source.agent}",
                     )
-                except TransferError as err:
-                    self._read_failed(ld, err)
-                continue
-            try:
-                # the valid prefix: shorter than planned when a block failed validation
-                k, v = ld.handle.layer_sync(layer)
-            except KVLoadError:
-                # a block of this layer failed its checksum or its read: the layers before
-                # hold a longer prefix than this one can, so the whole hit is recomputed
-                self._shorten(ld, 0)
-                continue
-            if k.shape[0] < ld.loaded_until:
-                self._shorten(ld, k.shape[0])
-            n = ld.loaded_until
-            if n:
-                cache.write_tokens(kv_layer, ld.slots[:n], k[:n], v[:n])
+            except TransferError as err:
+                self._read_failed(ld, err)
+            return
+        try:
+            # the valid prefix: shorter than planned when a block failed validation
+            k, v = ld.handle.layer_sync(layer)
+        except KVLoadError:
+            # a block of this layer failed its checksum or its read: the layers before
+            # hold a longer prefix than this one can, so the whole hit is recomputed
+            self._shorten(ld, 0)
+            return
+        if k.shape[0] < ld.loaded_until:
+            self._shorten(ld, k.shape[0])
+        n = ld.loaded_until
+        if n:
+            cache.write_tokens(kv_layer, ld.slots[:n], k[:n], v[:n])
 
     def _shorten(self, ld: _Load, tokens: int) -> None:
         """End the hit at `tokens` (floored to a vLLM block: vLLM recomputes whole blocks);
@@ -390,17 +441,25 @@ class WorkerSide:
         if r.hit is None:
             self._set_ready(rv, 0)
         else:  # off the forward thread: only this request's blocks, which vLLM holds parked
+            with self._cond:
+                rv.reading = True
+                rv.slot = self.agent.take_slot(0, r.hit.end)
+            if rv.slot is not None:  # ready now: the sender streams each layer as it lands
+                self._set_ready(rv, r.hit.end)
             threading.Thread(
                 target=self._read_own_hit, args=(rv,), name="dualpath-hit", daemon=True
             ).start()
 
     def _read_own_hit(self, rv: _Recv) -> None:
-        """Path D: read the hit through this node's read queue into the request's blocks."""
+        """Path D: read the hit through this node's read queue into the request's blocks,
+        publishing each layer in its progress word (the sender reads layer l meanwhile)."""
         from dualpath.kv.queue import KVLoadError
 
         p = rv.plan.hit
+        layers = len(self._caches)
         n, vb = p.end, self._caches[0].shape[2]
         metrics.LOADS.labels(path="decode").inc()
+        t0 = time.perf_counter()
         handle = None
         try:
             handle = self.read_queue.submit(p.block_ids)
@@ -414,6 +473,8 @@ class WorkerSide:
                 n = min(n, k.shape[0] // vb * vb)
                 if n:
                     cache.write_tokens(self._caches[layer], slots[:n], k[:n], v[:n])
+                if rv.slot is not None:
+                    self.agent.set_progress(rv.slot, layer + 1, n)
         except Exception as err:  # noqa: BLE001 (the receiver must become ready: no hit)
             log.warning("request %s: hit read failed: %s", p.req_id, err)
             n = 0
@@ -423,14 +484,26 @@ class WorkerSide:
         if n < p.end:
             metrics.LOAD_FAILURES.labels(path="decode").inc()
             log.warning("request %s: own hit ends at token %d of %d", p.req_id, n, p.end)
+        metrics.HIT_READ_SECONDS.inc(time.perf_counter() - t0)
         metrics.HIT_TOKENS.labels(path="decode").inc(n)
         metrics.HIT_BYTES.labels(path="decode").inc(n * self.cfg.spec.model.kv_bytes_per_token)
+        if rv.slot is not None:  # the sender stops waiting: every layer, n tokens
+            self.agent.set_progress(rv.slot, layers, n)
+        with self._cond:
+            rv.reading = False
         self._set_ready(rv, n)
 
     def _set_ready(self, rv: _Recv, hit_tokens: int) -> None:
         with self._cond:
             rv.hit_tokens, rv.ready = hit_tokens, True
             self._cond.notify_all()
+
+    def _done_recv(self, xfer_id: str) -> _Recv:
+        """Take a receiver out (the caller holds `_cond`), freeing its progress word."""
+        rv = self._recvs.pop(xfer_id)
+        if rv.slot is not None:
+            self.agent.give_slot(rv.slot)
+        return rv
 
     def wait_ready(self, xfer_id: str, timeout_s: float) -> Ready:
         """The rendezvous' question (a server thread): wait until `xfer_id` is parked and its
@@ -445,7 +518,9 @@ class WorkerSide:
                     "(vLLM has not parked the request, or it is gone)"
                 )
             rv = self._recvs[xfer_id]
-            return Ready(self.agent.target(rv.plan.block_table), rv.hit_tokens)
+            rv.answered_tokens = rv.hit_tokens
+            slot = rv.slot if rv.reading else None  # read already: no polls
+            return Ready(self.agent.target(rv.plan.block_table, slot), rv.hit_tokens)
 
     def _poll_notifications(self) -> None:
         """While receivers wait: poll NIXL, which also drives UCX progress for the transfers
@@ -470,23 +545,33 @@ class WorkerSide:
                 return set()
             arrived, self._arrived = self._arrived, []
         done = set()
+        vb = self._caches[0].shape[2] if self._caches else 1
         for msg in arrived:
             xfer_id = msg.decode(errors="replace")
             with self._cond:
-                rv = self._recvs.pop(xfer_id, None)
+                rv = self._recvs.get(xfer_id)
+                if rv is not None:
+                    rv.notified = True
             if rv is None:
                 log.warning("NIXL notification %r names no waiting transfer (late?)", xfer_id)
-                continue
-            done.add(rv.plan.req_id)
-            metrics.TRANSFERS_RECEIVED.labels(path=rv.plan.path).inc()
-            log.info("request %s: prompt KV received over NIXL (%s)", rv.plan.req_id, xfer_id)
         now = time.time()
         with self._cond:
-            # a receiver reading its own hit is never expired (its blocks are being written;
-            # the read queue's bounded reads end it)
-            late = [x for x, rv in self._recvs.items() if rv.ready and now > rv.plan.deadline_unix]
-            expired = [self._recvs.pop(x) for x in late]
-        vb = self._caches[0].shape[2] if self._caches else 1
+            # a receiver reading its own hit is reported when the read ends, and never
+            # expired before (its blocks are being written; the read queue's bounded reads
+            # end it)
+            received = [self._done_recv(x) for x, rv in list(self._recvs.items())
+                        if rv.notified and not rv.reading]  # fmt: skip
+            late = [x for x, rv in self._recvs.items()
+                    if rv.ready and not rv.reading and now > rv.plan.deadline_unix]  # fmt: skip
+            expired = [self._done_recv(x) for x in late]
+        for rv in received:
+            done.add(rv.plan.req_id)
+            metrics.TRANSFERS_RECEIVED.labels(path=rv.plan.path).inc()
+            if rv.hit_tokens < rv.answered_tokens:  # the hit ended early: the sender sent
+                # from the hit it was told, so the blocks from this hit's end are recomputed
+                self._load_errors |= set(rv.plan.block_table[rv.hit_tokens // vb :])
+            log.info("request %s: prompt KV received over NIXL (%s)", rv.plan.req_id,
+                     rv.plan.xfer_id)  # fmt: skip
         for rv in expired:
             p = rv.plan
             bad = set(p.block_table[rv.hit_tokens // vb :])
@@ -521,7 +606,9 @@ class WorkerSide:
             self._send_layer(snd, layer)
 
     def _load_failed(self, req_id: str) -> bool:
-        return req_id in self._failed_loads
+        # vLLM starts a step without loads after its forward: the failures then are an
+        # earlier step's, whose recompute this step is (it sends)
+        return self._load_plan is self._save_plan and req_id in self._failed_loads
 
     def _send_layer(self, snd: _Send, layer: int) -> None:
         p = snd.plan
@@ -586,6 +673,17 @@ class WorkerSide:
         self._sends = []
 
     def wait_for_save(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._wait_for_save()
+        finally:
+            t1 = time.perf_counter()
+            metrics.SAVE_WAIT_SECONDS.inc(t1 - t0)
+            if self._forward_t0 is not None:
+                metrics.FORWARD_SECONDS.inc(t1 - self._forward_t0)
+                self._forward_t0 = None
+
+    def _wait_for_save(self) -> None:
         self._finish_sends()  # first: the decode waits on them, the store does not
         written = 0
         layers = self.cfg.spec.model.layers
