@@ -5,23 +5,31 @@
 # `dualpath worker`, which starts its own `vllm serve` child (docs/vllm.md).
 # Build: `make image [ENGINE=vllm]` (docs/image.md). Read-only-root friendly: nothing is written
 # outside /tmp (the pods mount it writable); runs as uid 65532.
+# Any Debian bookworm base with python3 and its venv module (docs/image.md makes one with
+# debootstrap, for machines without Docker Hub).
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ARG ENGINE=dualpath
 # CPU torch first, from the PyTorch CPU index: PyPI's Linux torch is the multi-GB CUDA build.
+# Empty: no index; the CPU wheel then comes from a local wheel directory that the builder mounts
+# (PIP_FIND_LINKS, `make image WHEELS=dir`), as may any other package.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Set by `make image` only when asked (WHEELS=..., CA_CERTS=...): pip reads them from the
+# environment of the RUN steps; unset they change nothing.
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
-RUN python -m venv /opt/dualpath
+RUN python3 -m venv /opt/dualpath
 ENV PATH=/opt/dualpath/bin:$PATH
 WORKDIR /src
 # every package pinned to the versions the test suite ran with (`make image-lock`)
 COPY image-constraints.txt ./
-# (torch==<version>+cpu in the constraints exists on the CPU index only; its dependencies come
-# from PyPI at their pinned versions)
-RUN pip install --extra-index-url "${TORCH_INDEX_URL}" --constraint image-constraints.txt torch
+# (torch==<version>+cpu in the constraints exists on the CPU index or in a local wheel directory
+# only; its dependencies come from PyPI at their pinned versions)
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} --constraint image-constraints.txt torch
 COPY pyproject.toml README.md ./
 COPY workers ./workers
 COPY operator ./operator
