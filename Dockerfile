@@ -25,22 +25,23 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python3 -m venv /opt/dualpath
 ENV PATH=/opt/dualpath/bin:$PATH
 WORKDIR /src
-# every package pinned to the versions the test suite ran with (`make image-lock`)
-COPY image-constraints.txt ./
-# (torch==<version>+cpu in the constraints exists on the CPU index or in a local wheel directory
-# only; its dependencies come from PyPI at their pinned versions)
-RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} --constraint image-constraints.txt torch
+# every package at the version the test suite ran with: requirements.lock, the one lock of
+# make venv, CI and this image (`make lock`), used as constraints so the image takes its subset
+COPY requirements.lock ./
+# (torch==<version>+cpu in the lock exists on the CPU index or in a local wheel directory only;
+# its dependencies come from PyPI at their locked versions)
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} --constraint requirements.lock torch
 COPY pyproject.toml README.md ./
 COPY workers ./workers
 COPY operator ./operator
 # a wheel install (not editable): the runtime stage copies the venv alone, not /src
-RUN pip install --constraint image-constraints.txt ".[nixl,operator]" \
+RUN pip install --constraint requirements.lock ".[nixl,operator]" \
  && python -c "import dualpath.cli, dualpath_operator.main, torch; print(torch.__version__)"
 COPY scripts ./scripts
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN case "${ENGINE}" in \
       dualpath) ;; \
-      vllm) bash scripts/install-vllm.sh /opt/dualpath ;; \
+      vllm) bash scripts/install-vllm.sh /opt/dualpath requirements.lock ;; \
       *) echo "ENGINE must be dualpath or vllm (got ${ENGINE})" >&2; exit 2 ;; \
     esac
 

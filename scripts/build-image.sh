@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build (and with PUSH=1 push) the DualPath image with whichever builder this machine has:
-# docker, podman, buildah, nerdctl, or kaniko's /kaniko/executor (BUILDER=... picks one).
+# docker, podman, buildah, nerdctl, or kaniko's /kaniko/executor (BUILDER=<command> picks one:
+# any command with docker's build/push arguments, a path or a wrapper included).
 #   ENGINE=dualpath (the CPU image) | vllm (the same plus vLLM's CPU build), tagged <version>-vllm
 #   IMAGE=registry/name:tag   default: dualpath.default_image(ENGINE), the one source of the
 #                             repository and version (workers/dualpath/__init__.py)
@@ -57,6 +58,14 @@ fi
 
 BUILD_ARGS=(--build-arg "DUALPATH_VERSION=$VERSION" --build-arg "ENGINE=$ENGINE")
 if [ -n "${PYTHON_IMAGE:-}" ]; then BUILD_ARGS+=(--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE"); fi
+# BUILDER may be any command that takes docker's `build -f -t --build-arg` and `push` (docker,
+# podman, buildah, nerdctl, a path to one, or a wrapper such as `sudo podman`), or kaniko.
+read -r -a BUILDER_CMD <<<"$BUILDER"
+if ! command -v "${BUILDER_CMD[0]}" >/dev/null 2>&1 && [ "$BUILDER" != kaniko ]; then
+  echo "build-image: BUILDER=$BUILDER: '${BUILDER_CMD[0]}' is not a command here" >&2
+  exit 2
+fi
+BUILDER_NAME=${BUILDER_CMD[-1]##*/} # `sudo podman` is podman
 # build-time volumes: podman and buildah only (docker and kaniko have no `build -v`)
 VOLUMES=()
 if [ -n "${WHEELS:-}" ]; then
@@ -68,22 +77,14 @@ if [ -n "${CA_CERTS:-}" ]; then
   VOLUMES+=(-v "$CA_CERTS:/etc/ssl/certs:ro")
   BUILD_ARGS+=(--build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt)
 fi
-if [ ${#VOLUMES[@]} -gt 0 ] && [ "$BUILDER" != podman ] && [ "$BUILDER" != buildah ]; then
+if [ ${#VOLUMES[@]} -gt 0 ] && [ "$BUILDER_NAME" != podman ] && [ "$BUILDER_NAME" != buildah ]; then
   echo "build-image: WHEELS and CA_CERTS need podman or buildah (a build-time volume);" \
     "$BUILDER has none (docs/image.md)" >&2
   exit 2
 fi
 ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}" "${VOLUMES[@]}")
-case "$BUILDER" in
-  docker | podman | nerdctl | buildah)
-    BUILD=("$BUILDER" build "${ARGS[@]}" "$ROOT")
-    PUSH_CMD=("$BUILDER" push "$IMAGE")
-    case "$BUILDER" in
-      podman | buildah) SAVE_CMD=("$BUILDER" push "$IMAGE" "oci-archive:${ARCHIVE:-}:$IMAGE") ;;
-      *) SAVE_CMD=("$BUILDER" save -o "${ARCHIVE:-}" "$IMAGE") ;;
-    esac
-    ;;
-  kaniko)
+case "${BUILDER_CMD[0]##*/}" in
+  kaniko | executor)
     BUILD=(/kaniko/executor --context "dir://$ROOT" --dockerfile "$ROOT/$FILE"
       --destination "$IMAGE" "${BUILD_ARGS[@]}")
     [ "$PUSH" = 1 ] || BUILD+=(--no-push)
@@ -92,9 +93,12 @@ case "$BUILDER" in
     SAVE_CMD=()
     ;;
   *)
-    echo "build-image: BUILDER must be docker, podman, buildah, nerdctl or kaniko" \
-      "(got '$BUILDER')" >&2
-    exit 2
+    BUILD=("${BUILDER_CMD[@]}" build "${ARGS[@]}" "$ROOT")
+    PUSH_CMD=("${BUILDER_CMD[@]}" push "$IMAGE")
+    case "$BUILDER_NAME" in
+      podman | buildah) SAVE_CMD=("${BUILDER_CMD[@]}" push "$IMAGE" "oci-archive:${ARCHIVE:-}:$IMAGE") ;;
+      *) SAVE_CMD=("${BUILDER_CMD[@]}" save -o "${ARCHIVE:-}" "$IMAGE") ;;
+    esac
     ;;
 esac
 

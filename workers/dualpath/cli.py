@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from dualpath import __version__
-from dualpath.lifeline import die_with_parent
+from dualpath.lifeline import die_with_parent, follow_make_interrupt
 from dualpath.log import setup_logging
 
 
@@ -202,6 +202,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     die_with_parent()  # started by a local supervisor: end with it (no-op otherwise)
+    follow_make_interrupt()  # started by make: its SIGINT is ours too (no-op otherwise)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     command: Command | None = getattr(args, "_command", None)

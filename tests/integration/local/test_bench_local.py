@@ -49,6 +49,7 @@ def test_a_budget_bounds_the_replay_and_both_policies_replay_the_same_turns(
     measured = {p: r["turns"] for p, r in runs.items()}
     if not cut.get("deadline"):  # the plan held: every planned measured turn ran
         assert measured["prefill-read"] == cut["replayed_turns"] - 4  # the warm-up served once
+        assert doc["compared_turns"] + doc["warmup_turns"] == cut["replayed_turns"]
     assert measured["dualpath"] == measured["prefill-read"] > 0  # the same turns, both
     assert doc["same_greedy_answers"] and doc["compared_turns"] == measured["dualpath"]
     assert not (tmp_path / "kv").exists()  # scratch removed (no --keep)

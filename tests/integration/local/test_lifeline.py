@@ -69,3 +69,48 @@ def test_without_a_supervisor_nothing_is_armed() -> None:
         timeout=60,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_command_under_make_stops_when_make_alone_gets_sigint(tmp_path: Path) -> None:
+    """GNU make forwards SIGTERM to its recipe but waits out SIGINT: the command follows make's
+    signal table instead (`follow_make_interrupt`), as `make demo` does through `dualpath`."""
+    child = (
+        "import time; from dualpath.lifeline import follow_make_interrupt; "
+        "print('watching' if follow_make_interrupt(poll_s=0.1) else 'not', flush=True); "
+        "time.sleep(120)"
+    )
+    makefile = tmp_path / "Makefile"
+    # through a shell (the `;`), as many recipes run: make is the command's grandparent
+    makefile.write_text(f'run:\n\t@true; exec_me=1 {sys.executable} -c "{child}"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    make = subprocess.Popen(
+        ["make", "-s", "-f", str(makefile), "run"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert make.stdout.readline().strip() == "watching"
+        make.send_signal(signal.SIGINT)  # make's process alone, not its group
+        assert make.wait(timeout=30) != 0
+        time.sleep(0.2)
+        assert subprocess.run(["pgrep", "-g", str(make.pid)], capture_output=True).stdout == b""
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
+
+
+def test_no_watch_outside_make_or_of_a_parent_that_does_not_catch_sigint() -> None:
+    from dualpath.lifeline import MAKE_ENV, follow_make_interrupt
+
+    assert follow_make_interrupt(env={}) is None
+    sleeper = subprocess.Popen(["sleep", "30"])  # SIGINT at its default: nothing to follow
+    try:
+        time.sleep(0.1)
+        assert follow_make_interrupt(env={MAKE_ENV: "1"}, make_pid=sleeper.pid) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import socket
 import sys
 import time
@@ -246,7 +247,9 @@ def test_a_restart_forks_from_the_zygote_with_its_imports_done_and_stops_clean()
         sup.wait_ready(["scheduler"])
         took = time.monotonic() - t0
         assert took < 30, took  # no import: the fork only starts the server
-        assert "READY scheduler" in sink.getvalue().split("scheduler serving")[-1]
+        relayed = sink.getvalue().split("scheduler serving")[-1]
+        assert "ready scheduler" in relayed  # relayed lower-case: the one READY is the command's
+        assert not re.search(r"^\[scheduler\]\s+READY", relayed, re.M)
         # the fork says what it is (its command line was the zygote's)
         assert _cmdline(forked.pid).startswith("dualpath scheduler"), _cmdline(forked.pid)
         assert "dualpath.local.zygote" in _cmdline(zygote.proc.pid)

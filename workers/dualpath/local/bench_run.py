@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
             print(table(out, doc["ratio"]))
         print(
             f"same greedy answers across policies: {doc['same_greedy_answers']} "
-            f"({doc['compared_turns']} turns compared)"
+            f"({doc['compared_turns']} turns compared; the {doc['warmup_turns']} warm-up turns, "
+            f"{args.warmup_turns} an agent, are served once before both policies)"
         )
         if cut.get("left_out_turns") or cut.get("deadline") or cut.get("agents_not_warmed"):
             print(f"cut to fit --budget-s {args.budget_s:.0f}: {describe_cut(cut)}")
@@ -373,6 +374,8 @@ def result_doc(
         "ratio": ratio,
         "same_greedy_answers": same,
         "compared_turns": len(keys),
+        # each agent's first turns, served once before the policies: no second answer to compare
+        "warmup_turns": args.warmup_turns * len({agent for agent, _ in keys}),
         "interrupted": None if interrupted is None else signal_name(interrupted.signum),
         "cut": cut,
         "elapsed_s": round(time.monotonic() - t_start, 1),

@@ -173,7 +173,7 @@ class Cluster:
         """From the process's own READY line (its command line is its title: `dualpath
         decode:decode-0`; a restart keeps the port)."""
         text = self.log_file.read_text(errors="replace")
-        ports = re.findall(rf"\[{re.escape(name)}\]\s+READY .*\bmetrics=(\d+)", text)
+        ports = re.findall(rf"\[{re.escape(name)}\]\s+ready .*\bmetrics=(\d+)", text)
         if not ports:
             raise RuntimeError(f"{name} has said no READY line with its metrics port")
         return f"http://127.0.0.1:{ports[-1]}/readyz"

@@ -161,6 +161,10 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+CHILD_READY = "READY "
+RELAYED_READY = "ready "
+
+
 class Supervisor:
     """Owns its children: `stop()` (or leaving the `with` block) ends every one of them."""
 
@@ -194,6 +198,10 @@ class Supervisor:
         tag = f"[{name}]".ljust(self.prefix_width + 2)
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            # a child's READY handshake is relayed as `ready`: the one READY line of the output
+            # is the supervising command's own (`READY up ...`), which scripts wait for
+            if line.startswith(CHILD_READY):
+                line = RELAYED_READY + line[len(CHILD_READY) :]
             with self._lock:
                 try:
                     self.sink.write(f"{tag} {line}\n")
