@@ -227,7 +227,9 @@ def schedulable_nodes(nodes: dict) -> tuple[list[str], str]:
             names.append(name)
     if names:
         return names, ""
-    return [], "no schedulable node" + (f" ({'; '.join(why)})" if why else " (the cluster has none)")
+    return [], "no schedulable node" + (
+        f" ({'; '.join(why)})" if why else " (the cluster has none)"
+    )
 
 
 def split_image(image: str) -> tuple[str, str]:
@@ -258,7 +260,9 @@ def selector_matches(selector: dict | None, labels: dict[str, str]) -> bool:
     return True
 
 
-def policy_admits(policy: dict, src_labels: dict[str, str], dst_labels: dict[str, str], port: int) -> bool:
+def policy_admits(
+    policy: dict, src_labels: dict[str, str], dst_labels: dict[str, str], port: int
+) -> bool:
     """Whether a NetworkPolicy lets a pod of the policy's namespace with `src_labels` reach a
     pod with `dst_labels` on TCP `port` (podSelector peers only: the paths between pods of one
     namespace; a rule without ports allows every port)."""

@@ -23,14 +23,12 @@ naming its step:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -167,7 +165,9 @@ def healthy_nodes(ns: str) -> set[str]:
     text = scrape(ns, sched, "metrics")
     return {
         m.group(1)
-        for m in re.finditer(r'^dualpath_scheduler_node_healthy\{node="([^"]+)"\} 1\.0$', text, re.M)
+        for m in re.finditer(
+            r'^dualpath_scheduler_node_healthy\{node="([^"]+)"\} 1\.0$', text, re.M
+        )
     }
 
 
@@ -339,10 +339,10 @@ def test_2_the_tiny_cluster_runs_every_pod_ready_and_registered(live):
     with step("the DualPathCluster is Ready with its counts"):
         wait_for(
             "Ready=True",
-            lambda: (condition(get_json(KUBECTL, "dpc", NAME, live.ns), "Ready") or {}).get(
-                "status"
-            )
-            == "True",
+            lambda: (
+                (condition(get_json(KUBECTL, "dpc", NAME, live.ns), "Ready") or {}).get("status")
+                == "True"
+            ),
             timeout_s=180,
         )
         st = get_json(KUBECTL, "dpc", NAME, live.ns)["status"]
@@ -374,7 +374,9 @@ def test_3_the_network_policies_select_the_live_pods_on_each_allowed_path(live):
             pol = by_name[f"{NAME}-{policy}"]
             assert policy_admits(pol, labels[src], labels[dst], port), (policy, src, dst, port)
         # and a path no policy allows stays closed: the frontend does not reach the workers' UCX
-        assert not policy_admits(by_name[f"{NAME}-workers"], labels["frontend"], labels["decode"], 40000)
+        assert not policy_admits(
+            by_name[f"{NAME}-workers"], labels["frontend"], labels["decode"], 40000
+        )
 
 
 def test_4_serving_through_the_frontend_service(live):
@@ -506,9 +508,11 @@ def test_6_pod_kills_during_traffic_recover_with_no_wrong_answer(live):
                 kubectl("delete", "pod", pod, "-n", live.ns, "--wait=false")
                 wait_for(
                     f"{pod} back (a new pod) and Ready",
-                    lambda pod=pod, uid=uid: (p := get_json(KUBECTL, "pod", pod, live.ns))
-                    and p["metadata"]["uid"] != uid
-                    and pod_ready(p),
+                    lambda pod=pod, uid=uid: (
+                        (p := get_json(KUBECTL, "pod", pod, live.ns))
+                        and p["metadata"]["uid"] != uid
+                        and pod_ready(p)
+                    ),
                     timeout_s=POD_READY_S,
                     interval_s=3,
                 )
@@ -529,9 +533,11 @@ def test_7_a_spec_change_rolls_the_pods_pairing_same_versions(live):
             kubectl("apply", "-f", "-", input=yaml.safe_dump(cr))
             new_hash = wait_for(
                 "a new status.configHash",
-                lambda: (h := get_json(KUBECTL, "dpc", NAME, live.ns)["status"].get("configHash"))
-                != old_hash
-                and h,
+                lambda: (
+                    (h := get_json(KUBECTL, "dpc", NAME, live.ns)["status"].get("configHash"))
+                    != old_hash
+                    and h
+                ),
                 timeout_s=120,
             )
         with step("every pod rolled to the new hash, the cluster Ready again"):
@@ -555,10 +561,12 @@ def test_7_a_spec_change_rolls_the_pods_pairing_same_versions(live):
             wait_for("pods on the new hash and Ready", rolled, timeout_s=POD_READY_S * 2)
             wait_for(
                 "Ready=True",
-                lambda: (condition(get_json(KUBECTL, "dpc", NAME, live.ns), "Ready") or {}).get(
-                    "status"
-                )
-                == "True",
+                lambda: (
+                    (condition(get_json(KUBECTL, "dpc", NAME, live.ns), "Ready") or {}).get(
+                        "status"
+                    )
+                    == "True"
+                ),
                 timeout_s=180,
             )
         forward(live)  # the frontend pod rolled too: forward to the new one
@@ -580,7 +588,10 @@ def test_8_helm_uninstall_and_namespace_deletion_leave_nothing(live):
     with step("nothing of the release or the cluster is left"):
         ns_gone = kubectl("get", "namespace", live.ns, check=False)
         assert ns_gone.returncode != 0 and "NotFound" in ns_gone.stderr, ns_gone.stdout
-        for sel in (f"app.kubernetes.io/instance={live.release}", f"app.kubernetes.io/instance={NAME}"):
+        for sel in (
+            f"app.kubernetes.io/instance={live.release}",
+            f"app.kubernetes.io/instance={NAME}",
+        ):
             left = kubectl(
                 "get", "clusterrole,clusterrolebinding,pods,pv", "-A", "-l", sel, "-o", "name"
             ).stdout.strip()

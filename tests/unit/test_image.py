@@ -191,7 +191,7 @@ def _bin(tmp_path: Path, **scripts: str) -> Path:
     """A PATH directory with the tools the script needs and the given fake builders."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("dirname", "cat"):
+    for tool in ("dirname", "cat", "rm"):
         real = next(Path(d) / tool for d in ("/usr/bin", "/bin") if (Path(d) / tool).exists())
         (bin_dir / tool).symlink_to(real)
     (bin_dir / "python3").symlink_to(sys.executable)

@@ -170,7 +170,10 @@ def test_the_live_e2e_runs_on_a_schedulable_node_and_says_why_there_is_none():
         "items": [
             _node("a", ready="False"),
             _node("b", unschedulable=True),
-            _node("c", taints=[{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}]),
+            _node(
+                "c",
+                taints=[{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}],
+            ),
         ]
     }
     names, why = schedulable_nodes(nodes)
