@@ -69,6 +69,10 @@ ENV PATH=/opt/dualpath/bin:$PATH \
     MPLCONFIGDIR=/tmp/matplotlib \
     VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1
+# a name for uid 65532: getpass.getuser() (kopf's peer identity, torch's cache paths) raises
+# for a uid without a passwd entry
+RUN echo "dualpath:x:65532:65532:dualpath:/tmp:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "dualpath:x:65532:" >> /etc/group
 USER 65532:65532
 WORKDIR /tmp
 # The pods' command is this entry point (dualpath.process.ENTRY_POINT; tests/unit/test_image.py).
