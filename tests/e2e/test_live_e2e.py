@@ -116,6 +116,8 @@ def cluster_cr(ns: str, **spec_changes) -> dict:
         "decode": {"replicas": 2},
         "frontend": {"replicas": 1},
         "storage": {"path": "/var/lib/dualpath/kv", "volume": storage_volume},
+        # no RDMA device plugin on a plain node: UCX over TCP and shared memory
+        "network": {"rdma": {"count": 0}},
         # a hostPath is created root-owned: the workers write their blocks there as root
         "workers": {"runAsNonRoot": False, "startupSeconds": 300},
     }
