@@ -144,7 +144,16 @@ def pod_ready(pod: dict) -> bool:
 
 
 def scrape(ns: str, pod: str, port: int | str) -> str:
-    """A pod's /metrics through the API server's pod proxy."""
+    """A pod's /metrics through the API server's pod proxy (which takes a port number only:
+    a port's name is looked up in the pod's spec)."""
+    if isinstance(port, str) and not port.isdigit():
+        spec = get_json(KUBECTL, "pod", pod, ns)["spec"]
+        port = next(
+            p["containerPort"]
+            for c in spec["containers"]
+            for p in c.get("ports") or []
+            if p.get("name") == port
+        )
     path = f"/api/v1/namespaces/{ns}/pods/{pod}:{port}/proxy/metrics"
     return kubectl("get", "--raw", path).stdout
 
