@@ -231,13 +231,20 @@ class Traffic:
     async def _run(self) -> None:
         from dualpath.local.faults import Client
 
-        client = Client(self.live.base, "dualpath-tiny", deadline_s=120)
-        client.refs = self.live.refs
+        # one client per frontend URL: a rollout moves the port-forward to the new frontend pod
+        clients: dict[str, Client] = {}
+
+        def client() -> Client:
+            base = self.live.base
+            if base not in clients:
+                clients[base] = Client(base, "dualpath-tiny", deadline_s=120)
+                clients[base].refs = self.live.refs
+            return clients[base]
 
         async def one(k: int) -> None:
             i = k
             while not self._stop.is_set():
-                res = await client.turn(self.prompts[i % len(self.prompts)], stream=k % 2 == 1)
+                res = await client().turn(self.prompts[i % len(self.prompts)], stream=k % 2 == 1)
                 self.results.append(res)
                 if res.kind != "ok":
                     await asyncio.sleep(1)  # a refused turn: the client backs off, then retries
@@ -246,7 +253,8 @@ class Traffic:
         try:
             await asyncio.gather(*(one(k) for k in range(self.concurrency)))
         finally:
-            await client.close()
+            for c in clients.values():
+                await c.close()
 
     def __enter__(self) -> Traffic:
         self._thread.start()
