@@ -5,24 +5,32 @@
 # `dualpath worker`, which starts its own `vllm serve` child (docs/vllm.md).
 # Build: `make image [ENGINE=vllm]` (docs/image.md). Read-only-root friendly: nothing is written
 # outside /tmp (the pods mount it writable); runs as uid 65532.
+# Any Debian bookworm base with python3 and its venv module (docs/image.md makes one with
+# debootstrap, for machines without Docker Hub).
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ARG ENGINE=dualpath
 # CPU torch first, from the PyTorch CPU index: PyPI's Linux torch is the multi-GB CUDA build.
+# Empty: no index; the CPU wheel then comes from a local wheel directory that the builder mounts
+# (PIP_FIND_LINKS, `make image WHEELS=dir`), as may any other package.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Set by `make image` only when asked (WHEELS=..., CA_CERTS=...): pip reads them from the
+# environment of the RUN steps; unset they change nothing.
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
-RUN python -m venv /opt/dualpath
+RUN python3 -m venv /opt/dualpath
 ENV PATH=/opt/dualpath/bin:$PATH
 WORKDIR /src
 # every package at the version the test suite ran with: requirements.lock, the one lock of
 # make venv, CI and this image (`make lock`), used as constraints so the image takes its subset
 COPY requirements.lock ./
-# (torch==<version>+cpu in the lock exists on the CPU index only; its dependencies come
-# from PyPI at their locked versions)
-RUN pip install --extra-index-url "${TORCH_INDEX_URL}" --constraint requirements.lock torch
+# (torch==<version>+cpu in the lock exists on the CPU index or in a local wheel directory only;
+# its dependencies come from PyPI at their locked versions)
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} --constraint requirements.lock torch
 COPY pyproject.toml README.md ./
 COPY workers ./workers
 COPY operator ./operator
@@ -61,6 +69,10 @@ ENV PATH=/opt/dualpath/bin:$PATH \
     MPLCONFIGDIR=/tmp/matplotlib \
     VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1
+# a name for uid 65532: getpass.getuser() (kopf's peer identity, torch's cache paths) raises
+# for a uid without a passwd entry
+RUN echo "dualpath:x:65532:65532:dualpath:/tmp:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "dualpath:x:65532:" >> /etc/group
 USER 65532:65532
 WORKDIR /tmp
 # The pods' command is this entry point (dualpath.process.ENTRY_POINT; tests/unit/test_image.py).

