@@ -133,7 +133,11 @@ def test_guidellm_multi_turn_report(cluster: LocalCluster, tmp_path: Path) -> No
     )
     got = summarize(report)
     assert (got["errored"], got["incomplete"]) == (0, 0), got
-    assert got["requests"] == load.requests
+    # guidellm's max_requests constraint stops its streams once the count is reached and
+    # cancels what a stream had queued but not started; such a request is counted nowhere
+    # (guidellm's accumulator drops "cancelled before starting"). Seen once on a busy machine:
+    # 5 of 6, none errored or incomplete. Every request that reached the server succeeded.
+    assert load.requests - load.streams < got["requests"] <= load.requests, got
     assert got["output_tokens_per_request"] == [load.output_tokens]  # ignore_eos honoured
     assert got["cached_share_after_first_turn"] > 0, got
     assert got["ttft_ms"]["mean"] > 0 and got["itl_ms"]["mean"] > 0
