@@ -62,6 +62,15 @@ MAX_NAME_LENGTH = 44
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # The port every process serves /metrics on; a component's own port must not take it.
 METRICS_PORT = 9090
+
+
+def not_metrics_port(section: str, port: int) -> int:
+    """A section's serving port, refused when it is the metrics port every process binds."""
+    if port == METRICS_PORT:
+        raise ValueError(f"{section}.port must not be the metrics port {METRICS_PORT}")
+    return port
+
+
 # Kubernetes' resource.Quantity (as in every generated CRD): 4, 500m, 16Gi, 1e3.
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"

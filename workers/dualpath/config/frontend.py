@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dualpath.config.common import METRICS_PORT, _Model
+from dualpath.config.common import _Model, not_metrics_port
 
 
 class FrontendAuthSpec(_Model):
@@ -58,9 +58,7 @@ class FrontendSpec(_Model):
     @field_validator("port")
     @classmethod
     def _not_metrics(cls, port: int) -> int:
-        if port == METRICS_PORT:
-            raise ValueError(f"frontend.port must not be the metrics port {METRICS_PORT}")
-        return port
+        return not_metrics_port("frontend", port)
 
     @model_validator(mode="after")
     def _new_tokens_fit(self) -> FrontendSpec:

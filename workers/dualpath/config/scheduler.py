@@ -7,7 +7,7 @@ from enum import Enum
 
 from pydantic import Field, field_validator, model_validator
 
-from dualpath.config.common import METRICS_PORT, _Model
+from dualpath.config.common import _Model, not_metrics_port
 
 
 # The one list of policy names (the CRD's enum); the scheduler's registry
@@ -62,6 +62,4 @@ class SchedulerSpec(_Model):
     @field_validator("port")
     @classmethod
     def _not_metrics(cls, port: int) -> int:
-        if port == METRICS_PORT:
-            raise ValueError(f"scheduler.port must not be the metrics port {METRICS_PORT}")
-        return port
+        return not_metrics_port("scheduler", port)
