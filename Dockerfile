@@ -10,7 +10,6 @@
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-ARG ENGINE=dualpath
 # CPU torch first, from the PyTorch CPU index: PyPI's Linux torch is the multi-GB CUDA build.
 # Empty: no index; the CPU wheel then comes from a local wheel directory that the builder mounts
 # (PIP_FIND_LINKS, `make image WHEELS=dir`), as may any other package.
@@ -37,6 +36,9 @@ COPY operator ./operator
 # a wheel install (not editable): the runtime stage copies the venv alone, not /src
 RUN pip install --constraint requirements.lock ".[nixl,operator]" \
  && python -c "import dualpath.cli, dualpath_operator.main, torch; print(torch.__version__)"
+# ENGINE is declared here, not at the stage's top: a build argument is part of every later
+# step's cache key, so both engines' builds share the torch and project steps above
+ARG ENGINE=dualpath
 COPY scripts ./scripts
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN case "${ENGINE}" in \

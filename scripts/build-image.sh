@@ -83,6 +83,9 @@ if [ ${#VOLUMES[@]} -gt 0 ] && [ "$BUILDER_NAME" != podman ] && [ "$BUILDER_NAME
   exit 2
 fi
 ARGS=(-f "$ROOT/$FILE" -t "$IMAGE" "${BUILD_ARGS[@]}" "${VOLUMES[@]}")
+# buildah caches no step unless asked (podman's and docker's default): with --layers a rebuild
+# after a code change redoes the project's step only, not the ~1 GB torch step before it
+if [ "$BUILDER_NAME" = buildah ]; then ARGS+=(--layers); fi
 case "${BUILDER_CMD[0]##*/}" in
   kaniko | executor)
     BUILD=(/kaniko/executor --context "dir://$ROOT" --dockerfile "$ROOT/$FILE"

@@ -294,6 +294,7 @@ def test_a_machine_without_the_pytorch_index_builds_from_local_wheels_and_its_ow
         "--build-arg PIP_FIND_LINKS=/wheels --build-arg TORCH_INDEX_URL= ",
         "-v /etc/ssl/certs:/etc/ssl/certs:ro",
         "--build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt",
+        " --layers",  # buildah caches steps only when asked: a rebuild reuses the torch step
     ):
         assert arg in build, (arg, build)
     image = default_image()
