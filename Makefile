@@ -6,6 +6,7 @@ STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 ENGINE  ?= dualpath
 IMAGE   ?=
+VLLM_IMAGE ?=
 PUSH    ?= 0
 WHEELS  ?=
 CA_CERTS ?=
@@ -85,10 +86,10 @@ e2e: $(STAMP) tools ## operator against a real API server: make e2e KUBECONFIG=~
 	@test -n "$(KUBECONFIG)" || { echo "set KUBECONFIG=... (a cluster you may create namespaces in)"; exit 2; }
 	DUALPATH_E2E=1 KUBECONFIG=$(KUBECONFIG) $(BIN)/python -m pytest -m e2e tests/e2e -v
 
-e2e-live: $(STAMP) tools ## DualPath pods on a real node: make e2e-live KUBECONFIG=... IMAGE=... (docs/operator.md)
+e2e-live: $(STAMP) tools ## DualPath pods on a real node: make e2e-live KUBECONFIG=... IMAGE=... [VLLM_IMAGE=...] (docs/operator.md)
 	@test -n "$(KUBECONFIG)" || { echo "set KUBECONFIG=... (a cluster with a schedulable node)"; exit 2; }
 	@test -n "$(IMAGE)" || { echo "set IMAGE=... (the DualPath image the node has: make image)"; exit 2; }
-	DUALPATH_E2E_LIVE=1 KUBECONFIG=$(KUBECONFIG) DUALPATH_IMAGE=$(IMAGE) \
+	DUALPATH_E2E_LIVE=1 KUBECONFIG=$(KUBECONFIG) DUALPATH_IMAGE=$(IMAGE) DUALPATH_VLLM_IMAGE=$(VLLM_IMAGE) \
 	  $(BIN)/python -m pytest -m e2e_live tests/e2e/test_live_e2e.py -v -s
 
 bench: $(STAMP) ## run all benchmarks, JSON to out/bench/

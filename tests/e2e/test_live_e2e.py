@@ -17,7 +17,11 @@ naming its step:
    and gets routes), back to 2 (the pod drains first), `kubectl delete pod` on a decode pod,
    then on the prefill pod (requests recover, 0 wrong answers), a spec change that rolls the
    pods (same-version pairing: 0 wrong answers, 0 unpaired routes served);
-5. `helm uninstall` and the namespace deletion leave nothing behind.
+5. with `VLLM_IMAGE=...` (the `make image ENGINE=vllm` build on the node), a vLLM-engine
+   cluster beside it: its checkpoint written onto a volume by a Job in that image, the vLLM
+   prefill and decode pods Ready and registered, and the same prompt twice through its frontend,
+   the second with `cached_tokens` > 0 and the same answer; skipped, with its reason, without it;
+6. `helm uninstall` and the namespace deletion leave nothing behind.
 """
 
 from __future__ import annotations
@@ -54,10 +58,14 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = os.environ.get("KUBECTL", str(ROOT / ".tools" / "bin" / "kubectl"))
 HELM = os.environ.get("HELM", str(ROOT / ".tools" / "bin" / "helm"))
 IMAGE = os.environ.get("DUALPATH_IMAGE", "")
+VLLM_IMAGE = os.environ.get("DUALPATH_VLLM_IMAGE", "")  # optional: the ENGINE=vllm build
 NAME = "live"
+VLLM_NAME = "live-vllm"
 # the node's storage for the KV blocks every worker shares (one node: a hostPath; a cluster of
 # several nodes: DUALPATH_E2E_STORAGE_VOLUME, a JSON volume source every node can mount)
 STORAGE_VOLUME = os.environ.get("DUALPATH_E2E_STORAGE_VOLUME", "")
+# the vLLM step's checkpoint volume on a cluster of several nodes (a JSON volume source)
+MODEL_VOLUME = os.environ.get("DUALPATH_E2E_MODEL_VOLUME", "")
 POD_READY_S = float(os.environ.get("DUALPATH_E2E_POD_READY_S", "600"))
 
 pytestmark = [
@@ -103,13 +111,17 @@ def live():
     kubectl("delete", "namespace", state.ns, "--ignore-not-found", "--wait=false", check=False)
 
 
+def node_volume(ns: str, what: str, shared: bool = True) -> dict:
+    """A volume every worker pod shares: the one of DUALPATH_E2E_STORAGE_VOLUME (a cluster of
+    several nodes), else a hostPath on the one node, one directory per namespace and use."""
+    if STORAGE_VOLUME and shared:
+        return json.loads(STORAGE_VOLUME)
+    return {"hostPath": {"path": f"/var/lib/dualpath-e2e/{ns}/{what}", "type": "DirectoryOrCreate"}}
+
+
 def cluster_cr(ns: str, **spec_changes) -> dict:
     """The tiny model on CPU: 1 prefill, 2 decode, 1 frontend, mutual TLS (the default)."""
-    storage_volume = (
-        json.loads(STORAGE_VOLUME)
-        if STORAGE_VOLUME
-        else {"hostPath": {"path": f"/var/lib/dualpath-e2e/{ns}", "type": "DirectoryOrCreate"}}
-    )
+    storage_volume = node_volume(ns, "kv")
     spec = {
         "model": {"preset": "tiny", "image": IMAGE, "blockTokens": 16},
         "prefill": {"replicas": 1},
@@ -131,8 +143,8 @@ def cluster_cr(ns: str, **spec_changes) -> dict:
     }
 
 
-def pods(ns: str, component: str | None = None) -> list[dict]:
-    sel = f"app.kubernetes.io/instance={NAME}"
+def pods(ns: str, component: str | None = None, name: str = NAME) -> list[dict]:
+    sel = f"app.kubernetes.io/instance={name}"
     if component:
         sel += f",app.kubernetes.io/component={component}"
     return json.loads(kubectl("get", "pods", "-n", ns, "-l", sel, "-o", "json").stdout)["items"]
@@ -171,8 +183,8 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def healthy_nodes(ns: str) -> set[str]:
-    sched = pods(ns, "scheduler")[0]["metadata"]["name"]
+def healthy_nodes(ns: str, name: str = NAME) -> set[str]:
+    sched = pods(ns, "scheduler", name)[0]["metadata"]["name"]
     text = scrape(ns, sched, "metrics")
     return {
         m.group(1)
@@ -182,15 +194,15 @@ def healthy_nodes(ns: str) -> set[str]:
     }
 
 
-def forward(live: Live) -> None:
+def forward(live: Live, name: str = NAME) -> None:
     """`kubectl port-forward svc/<cluster>-frontend` to a free local port."""
     if live.forward is not None:
         live.forward.terminate()
         live.forward.wait(timeout=10)
-    svc = json.loads(kubectl("get", "svc", f"{NAME}-frontend", "-n", live.ns, "-o", "json").stdout)
+    svc = json.loads(kubectl("get", "svc", f"{name}-frontend", "-n", live.ns, "-o", "json").stdout)
     port = svc["spec"]["ports"][0]["port"]
     proc = subprocess.Popen(
-        [KUBECTL, "port-forward", "-n", live.ns, f"svc/{NAME}-frontend", f":{port}"],
+        [KUBECTL, "port-forward", "-n", live.ns, f"svc/{name}-frontend", f":{port}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -205,8 +217,10 @@ def forward(live: Live) -> None:
     live.forward, live.base = proc, f"http://127.0.0.1:{m.group(1)}"
 
 
-def completion(base: str, prompt: list[int], max_tokens: int = 8) -> dict:
-    body = {"model": "dualpath-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def completion(
+    base: str, prompt: list[int], max_tokens: int = 8, model: str = "dualpath-tiny"
+) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:500]}"
     return r.json()
@@ -596,7 +610,136 @@ def test_7_a_spec_change_rolls_the_pods_pairing_same_versions(live):
     assert summary["wrong"] == 0, [r.error for r in traffic.results if r.wrong]
 
 
-def test_8_helm_uninstall_and_namespace_deletion_leave_nothing(live):
+def vllm_cluster_cr(ns: str, checkpoint: str, model_volume: dict) -> dict:
+    """The vLLM engine's smallest cluster: tiny64 (a head dim vLLM's CPU attention takes), 1
+    prefill and 1 decode serving on `vllm serve` children, in the ENGINE=vllm image."""
+    cr = cluster_cr(
+        ns,
+        model={"preset": "tiny64", "checkpointPath": checkpoint, "volume": model_volume},
+        decode={"replicas": 1},
+        storage={"volume": node_volume(ns, "kv-vllm")},
+        workers={
+            "engine": "vllm",
+            "startupSeconds": 900,  # vLLM loads and warms up on CPU
+            "vllm": {"image": VLLM_IMAGE, "cacheBytes": 2 * 1024**3},
+        },
+    )
+    cr["spec"]["model"].pop("blockTokens")  # vLLM's block is 2 store blocks of the default
+    cr["metadata"]["name"] = VLLM_NAME
+    return cr
+
+
+def model_writer_job(ns: str, checkpoint: str, model_volume: dict) -> dict:
+    """A Job in the vLLM image writing the tiny64 checkpoint onto the model volume (what a team
+    does with its own weights: put them on a volume the pods mount)."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"{VLLM_NAME}-model", "namespace": ns},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "write",
+                            "image": VLLM_IMAGE,
+                            "imagePullPolicy": "IfNotPresent",
+                            "args": ["model", "write", "--preset", "tiny64", "--out", checkpoint],
+                            # a hostPath is created root-owned
+                            "securityContext": {"runAsUser": 0},
+                            # the volume's root is the checkpoint, as the pods mount it
+                            "volumeMounts": [{"name": "model", "mountPath": checkpoint}],
+                        }
+                    ],
+                    "volumes": [{"name": "model", **model_volume}],
+                }
+            },
+        },
+    }
+
+
+def test_8_a_vllm_cluster_serves_from_the_vllm_image(live):
+    if not VLLM_IMAGE:
+        pytest.skip(
+            "VLLM_IMAGE=... names the ENGINE=vllm image the node has (make image ENGINE=vllm)"
+        )
+    checkpoint = "/models/tiny64"
+    model_volume = (
+        json.loads(MODEL_VOLUME) if MODEL_VOLUME else node_volume(live.ns, "model", shared=False)
+    )
+    with step("write the tiny64 checkpoint onto the model volume (a Job in the vLLM image)"):
+        job = model_writer_job(live.ns, checkpoint, model_volume)
+        kubectl("apply", "-f", "-", input=yaml.safe_dump(job))
+        kubectl(
+            "wait",
+            "--for=condition=complete",
+            f"job/{VLLM_NAME}-model",
+            "-n",
+            live.ns,
+            f"--timeout={int(POD_READY_S)}s",
+            timeout_s=POD_READY_S + 30,
+        )
+    with step("apply the vLLM DualPathCluster: its prefill and decode pods Ready, registered"):
+        kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=yaml.safe_dump(vllm_cluster_cr(live.ns, checkpoint, model_volume)),
+        )
+        want = {"scheduler": 1, "prefill": 1, "decode": 1, "frontend": 1}
+
+        def ready_counts():
+            got = Counter(
+                p["metadata"]["labels"]["app.kubernetes.io/component"]
+                for p in pods(live.ns, name=VLLM_NAME)
+                if pod_ready(p)
+            )
+            return dict(got) == want and got
+
+        wait_for(f"ready vLLM pods {want}", ready_counts, timeout_s=POD_READY_S, interval_s=5)
+        workers = {
+            p["metadata"]["name"]
+            for c in ("prefill", "decode")
+            for p in pods(live.ns, c, VLLM_NAME)
+        }
+        for w in workers:
+            image = get_json(KUBECTL, "pod", w, live.ns)["spec"]["containers"][0]["image"]
+            assert image == VLLM_IMAGE, (w, image)
+        wait_for(
+            f"the scheduler's healthy nodes == {sorted(workers)}",
+            lambda: healthy_nodes(live.ns, VLLM_NAME) == workers,
+            timeout_s=120,
+        )
+        print(
+            kubectl(
+                "get", "pods", "-n", live.ns, "-l", f"app.kubernetes.io/instance={VLLM_NAME}"
+            ).stdout
+        )
+    with step("the same prompt twice through the vLLM cluster: the second reads its prefix"):
+        forward(live, VLLM_NAME)
+        prompt = prompt_ids(1000, 320)  # whole vLLM blocks: a hit is counted in whole blocks
+        first = completion(live.base, prompt, model="dualpath-tiny64")
+        second = completion(live.base, prompt, model="dualpath-tiny64")
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        print(
+            f"vLLM: turn 2 cached_tokens={cached} of {second['usage']['prompt_tokens']}, "
+            f"read path {second['dualpath']['read_path']}, answer {second['choices'][0]['text']!r}"
+        )
+        assert cached > 0, second
+        assert second["dualpath"]["token_ids"] == first["dualpath"]["token_ids"], (first, second)
+    with step("delete the vLLM cluster: its pods go"):
+        live.forward.terminate()
+        live.forward = None
+        kubectl("delete", "dpc", VLLM_NAME, "-n", live.ns, "--timeout=300s", timeout_s=330)
+        kubectl("delete", "job", f"{VLLM_NAME}-model", "-n", live.ns, "--wait=true")
+        wait_for(
+            "no vLLM cluster pod left", lambda: not pods(live.ns, name=VLLM_NAME), timeout_s=300
+        )
+
+
+def test_9_helm_uninstall_and_namespace_deletion_leave_nothing(live):
     with step("delete the cluster, helm uninstall, delete the namespace"):
         kubectl("delete", "dpc", NAME, "-n", live.ns, "--timeout=300s", timeout_s=330)
         if live.forward is not None:
