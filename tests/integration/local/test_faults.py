@@ -22,10 +22,7 @@ async def test_quick_fault_rows_hold_the_bars(tmp_path: Path) -> None:
     for r in rows:
         assert r.sent > 0, shown
         assert (r.lost, r.hung, r.wrong, r.empty, r.bad_input_5xx) == (0, 0, 0, 0, 0), shown
-        # a decode kill with a second decode up can still give one 503 on a busy machine (seen
-        # once in a clean-clone CI run at load ~3): counted in the row, not yet a bar here
-        bars = [b for b in r.bars if not (r.fault == "decode-kill" and b.startswith("503="))]
-        assert not bars, shown
+        assert not r.bars, shown
     by = {r.fault: r for r in rows}
     assert by["scheduler-kill"].recover_s <= RECOVER_BAR_S["scheduler-kill"], shown
     assert by["corrupt-blocks"].succeeded == by["corrupt-blocks"].sent, shown

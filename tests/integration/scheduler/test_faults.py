@@ -9,7 +9,7 @@ import pytest
 from dualpath import config
 from dualpath.frontend.app import create_app
 from dualpath.frontend.backend import BackendError, Finished, Routed, Tokens, TurnRequest
-from dualpath.frontend.grpc_backend import GrpcBackend
+from dualpath.frontend.grpc_backend import GrpcBackend, continuation
 from dualpath.sampling import SamplingParams
 from dualpath.scheduler.cli import build
 from dualpath.scheduler.client import NodeAgent, Registration, SchedulerClient
@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 class FakeDecode(wpb_grpc.WorkerServicer):
     """`fail`: "instant" (UNAVAILABLE before any token), "midway" (after 2 tokens), "cut" (the
     stream ends after 2 tokens with status OK but no finish reason), "hang" (no answer), ""
-    (ok); `delay_s` between tokens."""
+    (ok); `delay_s` between tokens. Its answer to a 70-token prompt is 5, 6, 7, ...; a longer
+    prompt (a resumed turn's: the answer so far joined to it) continues that answer."""
 
     def __init__(self, fail: str = "", delay_s: float = 0.0) -> None:
         self.fail, self.delay_s, self.calls = fail, delay_s, 0
@@ -34,6 +35,7 @@ class FakeDecode(wpb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine is gone")
         if self.fail == "hang":  # a node that takes the call and never answers
             await asyncio.sleep(3600)
+        start = 5 + len(request.prompt_tokens) - 70
         for i in range(request.max_new_tokens):
             if self.fail == "midway" and i == 2:
                 await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
@@ -42,7 +44,7 @@ class FakeDecode(wpb_grpc.WorkerServicer):
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             last = i == request.max_new_tokens - 1
-            yield wpb.GenerateChunk(tokens=[5 + i], finish_reason="length" if last else "")
+            yield wpb.GenerateChunk(tokens=[start + i], finish_reason="length" if last else "")
 
 
 async def _worker(servicer):
@@ -138,10 +140,41 @@ async def test_a_turn_failing_before_its_first_token_is_retried_on_another_pair(
         await backend.close()
 
 
+async def test_a_turn_failing_mid_answer_resumes_after_its_last_token(cluster):
+    bad = await cluster["add_decode"]("d0", FakeDecode("midway"))
+    await cluster["add_decode"]("d1", FakeDecode())
+    await _ready(cluster["addr"], 3)
+    backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
+    await backend.start()
+    try:
+        for i in range(8):
+            events = await _turn(backend, i, tokens=6)
+            # one answer: its first route, every token once and in order, the whole count
+            assert [type(e) for e in events].count(Routed) == 1, events
+            assert [t for e in events if isinstance(e, Tokens) for t in e.ids] == list(range(5, 11))
+            assert events[-1] == Finished("length", 6)
+        assert await _settle(cluster["sched"].servicer.state) == 0
+        assert bad.calls > 0  # some turns did start on the failing node
+        registry = CollectorRegistry()
+        create_app(cluster["cfg"], backend, registry)
+        resumed = f"dualpath_frontend_resumed_turns_total {float(bad.calls)}"
+        assert resumed.encode() in generate_latest(registry)
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize(
-    ("fail", "error"), [("midway", "INTERNAL"), ("cut", "without a finish reason")]
+    ("fail", "max_tokens", "error", "tokens"),
+    [
+        # resumed on the only node, which fails again every 2 tokens: MAX_ATTEMPTS, then the error
+        ("midway", 40, "INTERNAL", list(range(5, 17))),
+        # a stream that ends OK but without a finish reason is the node's bug: not resumed
+        ("cut", 8, "without a finish reason", [5, 6]),
+    ],
 )
-async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(cluster, fail, error):
+async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(
+    cluster, fail, max_tokens, error, tokens
+):
     await cluster["add_decode"]("d0", FakeDecode(fail))
     await _ready(cluster["addr"], 2)
     backend = GrpcBackend(cluster["cfg"], cluster["addr"], timeout_s=10)
@@ -150,14 +183,24 @@ async def test_a_mid_stream_failure_is_an_error_never_an_empty_success(cluster, 
     try:
         with pytest.raises(BackendError, match=error):
             async for ev in backend.generate(
-                TurnRequest("t", "s", [7] * 70, SamplingParams(max_tokens=8))
+                TurnRequest("t", "s", [7] * 70, SamplingParams(max_tokens=max_tokens))
             ):
                 events.append(ev)
         assert not any(isinstance(e, Finished) for e in events)
-        assert [e.ids for e in events if isinstance(e, Tokens)] == [[5], [6]]  # not retried
+        assert [t for e in events if isinstance(e, Tokens) for t in e.ids] == tokens
         assert await _settle(cluster["sched"].servicer.state) == 0
     finally:
         await backend.close()
+
+
+def test_a_continuation_joins_the_answer_so_far_to_the_prompt_and_spends_the_budgets():
+    req = TurnRequest("t", "s", [7] * 3, SamplingParams(max_tokens=5, min_tokens=3, seed=9))
+    assert continuation(req, []) is req
+    cont = continuation(req, [1, 2])
+    assert cont.prompt_ids == [7, 7, 7, 1, 2] and req.prompt_ids == [7, 7, 7]
+    assert (cont.sampling.max_tokens, cont.sampling.min_tokens, cont.sampling.seed) == (3, 1, 9)
+    assert continuation(req, [1, 2, 3, 4]).sampling.min_tokens == 0
+    assert continuation(req, [1, 2, 3, 4, 5]) is None  # nothing left: the turn is finished
 
 
 async def test_cancelled_turns_end_their_in_flight_entries_and_do_not_open_breakers(cluster):

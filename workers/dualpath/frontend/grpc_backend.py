@@ -9,6 +9,7 @@ hit its block index found (docs/design.md section 3), which the decode worker th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -52,15 +53,32 @@ _ROUTE_TRANSIENT = frozenset(
     }
 )
 _ROUTE_RETRY_AFTER_S = 1.0
-# A turn failing before its first token: routed again up to MAX_ATTEMPTS times in all, within
-# RETRY_WINDOW_S of its start (a restarted worker serves again within a few seconds), backing
-# off from RETRY_BACKOFF_S, doubling up to MAX_BACKOFF_S.
+# A turn failing on a node: routed again up to MAX_ATTEMPTS times in all, within RETRY_WINDOW_S
+# of its start or of its last progress (a restarted worker serves again within a few seconds),
+# backing off from RETRY_BACKOFF_S, doubling up to MAX_BACKOFF_S. One that fails mid-answer
+# resumes where it stopped (`continuation`).
 MAX_ATTEMPTS = 6
 RETRY_WINDOW_S = 20.0  # under a client's usual 30 s deadline: an answer, not a hang
 RETRY_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 2.0
 # Deadline of one `Complete` (sent in the background): a scheduler down must not pile them up.
 COMPLETE_TIMEOUT_S = 5.0
+
+
+def continuation(req: TurnRequest, done: list[int]) -> TurnRequest | None:
+    """The turn that goes on after `done`, the tokens its failed attempts already gave: their
+    tokens joined to the prompt, the budgets (`max_tokens`, `min_tokens`) less what was spent.
+    Greedy decoding gives the very tokens the unbroken turn would have; a sampled turn a valid
+    continuation (its sampler starts again from the seed). None: nothing is left to generate."""
+    if not done:
+        return req
+    left = req.sampling.max_tokens - len(done)
+    if left <= 0:
+        return None
+    sampling = dataclasses.replace(
+        req.sampling, max_tokens=left, min_tokens=max(0, req.sampling.min_tokens - len(done))
+    )
+    return dataclasses.replace(req, prompt_ids=req.prompt_ids + done, sampling=sampling)
 
 
 class GrpcBackend:
@@ -86,12 +104,17 @@ class GrpcBackend:
             "Turns routed again after failing before their first token (each attempt counted)",
             registry=None,
         )
+        self.resumed = Counter(
+            "dualpath_frontend_resumed_turns_total",
+            "Turns continued on a new route after a node failed mid-answer (each resume counted)",
+            registry=None,
+        )
         self.complete_failures = Counter(
             "dualpath_frontend_complete_failures_total",
             "Complete calls to the scheduler that failed (the entry stays until it restarts)",
             registry=None,
         )
-        self.collectors = (self.retries, self.complete_failures)
+        self.collectors = (self.retries, self.resumed, self.complete_failures)
 
     async def start(self) -> None:
         from dualpath.scheduler.client import SchedulerClient
@@ -138,22 +161,30 @@ class GrpcBackend:
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def generate(self, req: TurnRequest) -> AsyncIterator[Event]:
-        """Route, then stream from the decode node. A turn that fails before its first chunk
-        is routed again, the failed node excluded while another of its role can take it, and
-        waited for (a restarting node) when it is the only one: up to `MAX_ATTEMPTS` within
-        `RETRY_WINDOW_S` (and the turn's deadline), backing off. Every routed attempt ends
-        with exactly one `Complete`, sent in the background (never delaying the client's last
+        """Route, then stream from the decode node. A turn whose node fails (a node fault:
+        `_NODE_FAULTS`) is routed again, the failed node excluded while another of its role can
+        take it, and waited for (a restarting node) when it is the only one: up to
+        `MAX_ATTEMPTS` within `RETRY_WINDOW_S` of the start or of the last token, backing off.
+        One that failed mid-answer resumes where it stopped (`continuation`): the caller sees
+        one answer, its first `Routed` and every token once. Every routed attempt ends with
+        exactly one `Complete`, sent in the background (never delaying the client's last
         chunk), also when the client goes away."""
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
-        keys = pack_keys(block_keys(block_ids(req.prompt_ids, self.model, salt=req.cache_salt)))
+        done: list[int] = []  # the tokens already given to the caller
+        routed_sent = False
         exclude: list[str] = []
         first_error = ""
         loop = asyncio.get_running_loop()
         retry_until = loop.time() + min(RETRY_WINDOW_S, self.timeout_s)
         for attempt in range(MAX_ATTEMPTS):
             rid = req.request_id if not attempt else f"{req.request_id}.retry{attempt}"
+            cur = continuation(req, done)
+            if cur is None:  # the node failed after the last token but before saying so
+                yield Finished("length", 0)
+                return
+            keys = pack_keys(block_keys(block_ids(cur.prompt_ids, self.model, salt=cur.cache_salt)))
             try:
-                route = await self._route(req, rid, keys, exclude)
+                route = await self._route(cur, rid, keys, exclude)
             except asyncio.CancelledError:
                 # the scheduler may have routed it just before the cancel reached it
                 self._complete_later(rid, 0, False, True, "")
@@ -174,13 +205,19 @@ class GrpcBackend:
                 raise
             generated, ok, cancelled, started, failed = 0, False, True, False, ""
             try:
-                async with aclosing(self._stream(req, route)) as events:
+                async with aclosing(self._stream(cur, route)) as events:
                     async for ev in events:
                         started = True
+                        if isinstance(ev, Routed):
+                            if routed_sent:  # a resumed attempt: the caller has its route
+                                continue
+                            routed_sent = True
                         if isinstance(ev, Tokens):
                             generated += len(ev.ids)
+                            done.extend(ev.ids)
                         if isinstance(ev, Finished):
                             ok = True
+                            ev = Finished(ev.reason, len(done))  # every attempt's tokens
                         yield ev
                 cancelled = False
                 return
@@ -196,16 +233,19 @@ class GrpcBackend:
                 failed = trailer.get(FAILED_NODE_KEY) or route.decode_node
                 error = f"decode {route.decode_node} Generate: {code.name}: {err.details()}"
                 backoff_s = min(RETRY_BACKOFF_S * 2**attempt, MAX_BACKOFF_S)
+                if generated:  # progress: a fresh window to resume in
+                    retry_until = loop.time() + min(RETRY_WINDOW_S, self.timeout_s)
                 last = attempt + 1 == MAX_ATTEMPTS or loop.time() + backoff_s >= retry_until
                 # capacity (the turn's KV over the whole buffer) is retried once, not waited for
                 capacity = code == grpc.StatusCode.RESOURCE_EXHAUSTED and attempt > 0
-                if started or last or capacity or code not in _NODE_FAULTS:
+                if last or capacity or code not in _NODE_FAULTS:
                     raise BackendError(error) from None
-                self.retries.inc()
+                (self.resumed if started else self.retries).inc()
                 log.warning(
-                    "turn %s failed before its first token (%s): attempt %d of %d in %.2fs, "
-                    "without %s if another node can take it",
+                    "turn %s failed %s (%s): attempt %d of %d in %.2fs, without %s if another "
+                    "node can take it",
                     req.request_id,
+                    f"after {len(done)} tokens, resumed there" if started else "before its answer",
                     error,
                     attempt + 2,
                     MAX_ATTEMPTS,

@@ -69,10 +69,11 @@ async def restart_row(s: Suite, fault: str, name: str) -> Row:
         failed = [r for r in extra + results if r.kind == "failed"]
         elsewhere = [r for r in failed if name not in r.error]
         streams = info.get("streams", [])
-        notes.append(
-            f"{sum(1 for st in streams if st.result().kind == 'failed')}/{len(streams)} "
-            f"streams cut (those on {name})"
-        )
+        cut = sum(1 for st in streams if st.result().kind == "failed")
+        # the streams on the killed node resume on another one (the frontend's continuation)
+        notes.append(f"{cut}/{len(streams)} streams cut")
+        if cut:
+            row.bars.append(f"streams_cut={cut}")
         if elsewhere:
             row.bars.append(f"failed_elsewhere={len(elsewhere)}")
             notes.append(f"{len(elsewhere)} failures not on {name}: {elsewhere[0].error[:80]}")
