@@ -213,7 +213,7 @@ def completion(base: str, prompt: list[int], max_tokens: int = 8) -> dict:
 
 
 def prompt_ids(i: int, n: int = 96) -> list[int]:
-    from dualpath.local.faults import prompt_ids as ids
+    from dualpath.local.faults.client import prompt_ids as ids
 
     return ids(i, n)
 
@@ -225,11 +225,19 @@ class Traffic:
     def __init__(self, live: Live, prompts: range, concurrency: int = 3) -> None:
         self.live, self.prompts, self.concurrency = live, prompts, concurrency
         self.results: list = []
+        self.error: BaseException | None = None  # what stopped the clients' thread, if anything
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as err:  # noqa: BLE001 -- handed to the waiting step
+            self.error = err
+            raise
 
     async def _run(self) -> None:
-        from dualpath.local.faults import Client
+        from dualpath.local.faults.client import Client
 
         # one client per frontend URL: a rollout moves the port-forward to the new frontend pod
         clients: dict[str, Client] = {}
@@ -271,11 +279,13 @@ class Traffic:
 
     def wait_ok(self, n: int, timeout_s: float = 300) -> None:
         start = len(self.results)
-        wait_for(
-            f"{n} answered turns",
-            lambda: sum(r.kind == "ok" for r in self.results[start:]) >= n,
-            timeout_s=timeout_s,
-        )
+
+        def answered() -> bool:
+            if self.error is not None:  # the clients are gone: no turn will come
+                raise StepFailed(f"the traffic's clients stopped: {self.error!r}")
+            return sum(r.kind == "ok" for r in self.results[start:]) >= n
+
+        wait_for(f"{n} answered turns", answered, timeout_s=timeout_s)
 
 
 # A plaintext gRPC health check from inside the scheduler's pod: refused under mutual TLS.
