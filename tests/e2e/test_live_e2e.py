@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -334,6 +335,7 @@ def test_1_the_operator_is_installed_with_helm(live):
 
 def test_2_the_tiny_cluster_runs_every_pod_ready_and_registered(live):
     with step("apply the tiny-model DualPathCluster"):
+        applied = time.monotonic()
         kubectl("apply", "-f", "-", input=yaml.safe_dump(cluster_cr(live.ns)))
     with step("scheduler, prefill, decode and frontend pods Running and Ready"):
         want = {"scheduler": 1, "prefill": 1, "decode": 2, "frontend": 1}
@@ -347,6 +349,7 @@ def test_2_the_tiny_cluster_runs_every_pod_ready_and_registered(live):
             return dict(got) == want and got
 
         wait_for(f"ready pods {want}", ready_counts, timeout_s=POD_READY_S, interval_s=5)
+        print(f"pods Ready {time.monotonic() - applied:.0f} s after the apply (polled every 5 s)")
         print(kubectl("get", "pods", "-n", live.ns, "-o", "wide").stdout)
     with step("every worker registered with the scheduler (its metrics)"):
         workers = {p["metadata"]["name"] for c in ("prefill", "decode") for p in pods(live.ns, c)}
