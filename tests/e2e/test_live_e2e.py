@@ -278,6 +278,14 @@ class Traffic:
         out["wrong"] = sum(r.wrong for r in self.results)
         return out
 
+    def why_not_ok(self) -> Counter:
+        """The turns not answered, by status and error (a refusal, a lost connection...)."""
+        return Counter(
+            f"{r.kind} {r.status or ''} {r.error[:80]}".strip()
+            for r in self.results
+            if r.kind != "ok"
+        )
+
     def wait_ok(self, n: int, timeout_s: float = 300) -> None:
         start = len(self.results)
 
@@ -526,7 +534,7 @@ def test_5_scale_decode_up_then_down_under_traffic(live):
             )
             traffic.wait_ok(6)
     summary = traffic.summary()
-    print("scale up/down traffic:", dict(summary))
+    print("scale up/down traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
     assert summary["wrong"] == 0 and summary["lost"] == 0 and summary["hung"] == 0, summary
     assert summary["failed"] == 0, [r.error for r in traffic.results if r.kind == "failed"]
 
@@ -551,7 +559,7 @@ def test_6_pod_kills_during_traffic_recover_with_no_wrong_answer(live):
             with step(f"requests recover after {pod}"):
                 traffic.wait_ok(6, timeout_s=300)
     summary = traffic.summary()
-    print("pod kills traffic:", dict(summary))
+    print("pod kills traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
     assert summary["wrong"] == 0, [r.error for r in traffic.results if r.wrong]
     assert summary["hung"] == 0 and summary["lost"] == 0, summary
 
@@ -605,7 +613,7 @@ def test_7_a_spec_change_rolls_the_pods_pairing_same_versions(live):
         traffic.live = live
         traffic.wait_ok(6, timeout_s=300)
     summary = traffic.summary()
-    print("rollout traffic:", dict(summary))
+    print("rollout traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
     assert summary["wrong"] == 0, [r.error for r in traffic.results if r.wrong]
 
 
