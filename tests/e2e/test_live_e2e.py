@@ -33,6 +33,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -227,7 +228,7 @@ def completion(
 
 
 def prompt_ids(i: int, n: int = 96) -> list[int]:
-    from dualpath.local.faults import prompt_ids as ids
+    from dualpath.local.faults.client import prompt_ids as ids
 
     return ids(i, n)
 
@@ -239,11 +240,19 @@ class Traffic:
     def __init__(self, live: Live, prompts: range, concurrency: int = 3) -> None:
         self.live, self.prompts, self.concurrency = live, prompts, concurrency
         self.results: list = []
+        self.error: BaseException | None = None  # what stopped the clients' thread, if anything
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as err:  # noqa: BLE001 -- handed to the waiting step
+            self.error = err
+            raise
 
     async def _run(self) -> None:
-        from dualpath.local.faults import Client
+        from dualpath.local.faults.client import Client
 
         # one client per frontend URL: a rollout moves the port-forward to the new frontend pod
         clients: dict[str, Client] = {}
@@ -283,13 +292,23 @@ class Traffic:
         out["wrong"] = sum(r.wrong for r in self.results)
         return out
 
+    def why_not_ok(self) -> Counter:
+        """The turns not answered, by status and error (a refusal, a lost connection...)."""
+        return Counter(
+            f"{r.kind} {r.status or ''} {r.error[:80]}".strip()
+            for r in self.results
+            if r.kind != "ok"
+        )
+
     def wait_ok(self, n: int, timeout_s: float = 300) -> None:
         start = len(self.results)
-        wait_for(
-            f"{n} answered turns",
-            lambda: sum(r.kind == "ok" for r in self.results[start:]) >= n,
-            timeout_s=timeout_s,
-        )
+
+        def answered() -> bool:
+            if self.error is not None:  # the clients are gone: no turn will come
+                raise StepFailed(f"the traffic's clients stopped: {self.error!r}")
+            return sum(r.kind == "ok" for r in self.results[start:]) >= n
+
+        wait_for(f"{n} answered turns", answered, timeout_s=timeout_s)
 
 
 # A plaintext gRPC health check from inside the scheduler's pod: refused under mutual TLS.
@@ -338,6 +357,7 @@ def test_1_the_operator_is_installed_with_helm(live):
 
 def test_2_the_tiny_cluster_runs_every_pod_ready_and_registered(live):
     with step("apply the tiny-model DualPathCluster"):
+        applied = time.monotonic()
         kubectl("apply", "-f", "-", input=yaml.safe_dump(cluster_cr(live.ns)))
     with step("scheduler, prefill, decode and frontend pods Running and Ready"):
         want = {"scheduler": 1, "prefill": 1, "decode": 2, "frontend": 1}
@@ -351,6 +371,7 @@ def test_2_the_tiny_cluster_runs_every_pod_ready_and_registered(live):
             return dict(got) == want and got
 
         wait_for(f"ready pods {want}", ready_counts, timeout_s=POD_READY_S, interval_s=5)
+        print(f"pods Ready {time.monotonic() - applied:.0f} s after the apply (polled every 5 s)")
         print(kubectl("get", "pods", "-n", live.ns, "-o", "wide").stdout)
     with step("every worker registered with the scheduler (its metrics)"):
         workers = {p["metadata"]["name"] for c in ("prefill", "decode") for p in pods(live.ns, c)}
@@ -527,7 +548,7 @@ def test_5_scale_decode_up_then_down_under_traffic(live):
             )
             traffic.wait_ok(6)
     summary = traffic.summary()
-    print("scale up/down traffic:", dict(summary))
+    print("scale up/down traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
     assert summary["wrong"] == 0 and summary["lost"] == 0 and summary["hung"] == 0, summary
     assert summary["failed"] == 0, [r.error for r in traffic.results if r.kind == "failed"]
 
@@ -552,7 +573,7 @@ def test_6_pod_kills_during_traffic_recover_with_no_wrong_answer(live):
             with step(f"requests recover after {pod}"):
                 traffic.wait_ok(6, timeout_s=300)
     summary = traffic.summary()
-    print("pod kills traffic:", dict(summary))
+    print("pod kills traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
     assert summary["wrong"] == 0, [r.error for r in traffic.results if r.wrong]
     assert summary["hung"] == 0 and summary["lost"] == 0, summary
 
@@ -606,7 +627,7 @@ def test_7_a_spec_change_rolls_the_pods_pairing_same_versions(live):
         traffic.live = live
         traffic.wait_ok(6, timeout_s=300)
     summary = traffic.summary()
-    print("rollout traffic:", dict(summary))
+    print("rollout traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
     assert summary["wrong"] == 0, [r.error for r in traffic.results if r.wrong]
 
 
