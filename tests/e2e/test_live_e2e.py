@@ -16,7 +16,8 @@ naming its step:
    a wrong answer): `kubectl scale dualpathpool/<decode> --replicas=3` (the new pod registers
    and gets routes), back to 2 (the pod drains first), `kubectl delete pod` on a decode pod,
    then on the prefill pod (requests recover, 0 wrong answers), a spec change that rolls the
-   pods (same-version pairing: 0 wrong answers, 0 unpaired routes served);
+   pods (the scheduler pairs same-version nodes only: 0 wrong answers; the port-forward
+   follows the frontend to its new pod, its gaps counted);
 5. with `VLLM_IMAGE=...` (the `make image ENGINE=vllm` build on the node), a vLLM-engine
    cluster beside it: its checkpoint written onto a volume by a Job in that image, the vLLM
    prefill and decode pods Ready and registered, and the same prompt twice through its frontend,
@@ -91,7 +92,7 @@ class Live:
         self.ns = f"dualpath-live-{suffix}"
         self.release = f"dualpath-live-{suffix}"
         self.base = ""  # the frontend's URL through the port-forward
-        self.forward: subprocess.Popen | None = None
+        self.forward: PortForward | None = None
         self.refs: dict[int, tuple[list[int], str]] = {}
 
 
@@ -195,27 +196,62 @@ def healthy_nodes(ns: str, name: str = NAME) -> set[str]:
     }
 
 
+class PortForward:
+    """`kubectl port-forward svc/<cluster>-frontend` on one local port, started again whenever
+    it exits: it follows one pod, and a rollout deletes that pod (a client of the Service in
+    the cluster would go to the next Ready pod). `restarts` counts the gaps."""
+
+    def __init__(self, ns: str, name: str) -> None:
+        svc = json.loads(kubectl("get", "svc", f"{name}-frontend", "-n", ns, "-o", "json").stdout)
+        self.cmd = [KUBECTL, "port-forward", "-n", ns, f"svc/{name}-frontend"]
+        self.remote = svc["spec"]["ports"][0]["port"]
+        self.restarts = 0
+        self._stop = threading.Event()
+        self.proc, line = self._start(f":{self.remote}")
+        m = re.search(r"127\.0\.0\.1:(\d+)", line)
+        if not m:
+            self.proc.terminate()
+            raise StepFailed(f"kubectl port-forward said: {line!r}")
+        self.local = int(m.group(1))
+        self.base = f"http://127.0.0.1:{self.local}"
+        threading.Thread(target=self._follow, daemon=True).start()
+
+    def _start(self, ports: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [*self.cmd, ports], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        line = proc.stdout.readline()
+        # keep reading its output so the pipe never fills
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        return proc, line
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            self.proc.wait()
+            while not self._stop.is_set():
+                self.restarts += 1
+                time.sleep(0.5)
+                proc, line = self._start(f"{self.local}:{self.remote}")
+                if self._stop.is_set():  # terminated while it started: no forward outlives us
+                    proc.terminate()
+                    return
+                if "Forwarding from" in line:
+                    self.proc = proc
+                    break
+                proc.terminate()
+
+    def terminate(self) -> None:
+        self._stop.set()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
 def forward(live: Live, name: str = NAME) -> None:
-    """`kubectl port-forward svc/<cluster>-frontend` to a free local port."""
+    """Forward a free local port to the cluster's frontend Service (`PortForward`)."""
     if live.forward is not None:
         live.forward.terminate()
-        live.forward.wait(timeout=10)
-    svc = json.loads(kubectl("get", "svc", f"{name}-frontend", "-n", live.ns, "-o", "json").stdout)
-    port = svc["spec"]["ports"][0]["port"]
-    proc = subprocess.Popen(
-        [KUBECTL, "port-forward", "-n", live.ns, f"svc/{name}-frontend", f":{port}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    m = re.search(r"127\.0\.0\.1:(\d+)", line)
-    if not m:
-        proc.terminate()
-        raise StepFailed(f"kubectl port-forward said: {line!r}")
-    # keep reading its output so the pipe never fills
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    live.forward, live.base = proc, f"http://127.0.0.1:{m.group(1)}"
+    live.forward = PortForward(live.ns, name)
+    live.base = live.forward.base
 
 
 def completion(
@@ -623,11 +659,18 @@ def test_7_a_spec_change_rolls_the_pods_pairing_same_versions(live):
                 ),
                 timeout_s=180,
             )
-        forward(live)  # the frontend pod rolled too: forward to the new one
+        # the frontend pod rolled too: the port-forward followed it to the new one
         traffic.live = live
         traffic.wait_ok(6, timeout_s=300)
     summary = traffic.summary()
-    print("rollout traffic:", dict(summary), "not answered:", dict(traffic.why_not_ok()))
+    gaps = live.forward.restarts
+    print(
+        "rollout traffic:",
+        dict(summary),
+        "not answered:",
+        dict(traffic.why_not_ok()),
+        f"port-forward restarts: {gaps}",
+    )
     assert summary["wrong"] == 0, [r.error for r in traffic.results if r.wrong]
 
 
