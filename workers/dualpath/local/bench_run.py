@@ -28,9 +28,12 @@ from dualpath.local.bench import (
     base_config,
     bench_config,
     calibrate_snic,
+    measured_compute_scale,
     phase_breakdown,
+    phase_verdict,
     plot,
     policy_config,
+    ratio_per_cap,
     replay_on,
     seed_storage,
     signal_name,
@@ -92,16 +95,20 @@ def run_policy(
     phase: str = "",
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
+    calibration: SnicCalibration | None = None,
 ) -> tuple[PolicyResult, list[TurnResult]]:
     """One policy's cluster replays `trajectories`: the figures from its first measured turn
     (after every agent's warm-up) to its last ended one. At `deadline_s` (time.monotonic()) no
     turn starts any more (`PolicyResult.cut`); on SIGINT/SIGTERM raises `PolicyInterrupted`
-    with the figures so far. The warm-up turns in `answered` are not sent again."""
+    with the figures so far. The warm-up turns in `answered` are not sent again.
+    `calibration`: how this phase's cap was set (its verdict's compute, engine dualpath)."""
     from dualpath.local.cluster import LocalCluster
 
     pcfg = policy_config(cfg, policy, seed)
     run_dir = Path(args.out) / policy
+    by_role = {"prefill": pcfg.spec.prefill.replicas, "decode": pcfg.spec.decode.replicas}
     nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
+    load_start = round(os.getloadavg()[0], 2)
     caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
     results: list[TurnResult] = []
     answered = answered or {}
@@ -129,6 +136,9 @@ def run_policy(
             read = {role: int(d[READ_BYTES]) for role, d in delta.items()}
             res = summarize(policy, results, elapsed, read, caps)
             res.cut = cut
+            res.snic_gbps = pcfg.spec.storage.snic_gbps
+            res.calibration = asdict(calibration) if calibration else {}
+            res.loadavg = [load_start, round(os.getloadavg()[0], 2)]
             if pcfg.spec.workers.engine == "vllm":
                 seconds = {
                     role: {VLLM_SECONDS[k]: d[k] for k in VLLM_SECONDS} for role, d in delta.items()
@@ -138,8 +148,9 @@ def run_policy(
                     elapsed,
                     read,
                     gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps),
-                    {"prefill": pcfg.spec.prefill.replicas, "decode": pcfg.spec.decode.replicas},
+                    by_role,
                 )
+            res.verdict = phase_verdict(res, calibration, by_role)
             return res
 
         try:
@@ -246,7 +257,13 @@ def run(args: argparse.Namespace) -> int:
                 )
             predicted = cut.get("predicted_phase_s", {})
             floor_s = 0.0  # after a cut phase: the next ones get at least half its time
+            scale = 1.0  # engine vllm: vLLM's compute per turn over the calibration's
             for i, policy in enumerate(policies):
+                phase_cfg, phase_cal = cfg, calibration
+                if args.snic_gbps == "auto" and args.recalibrate:
+                    phase_cfg, phase_cal = recalibrate(
+                        args, cfg, trajectories, scale, phase(policy)
+                    )
                 deadline = None
                 t_phase = time.monotonic()
                 if end_s is not None and predicted:
@@ -256,9 +273,20 @@ def run(args: argparse.Namespace) -> int:
                     # its smallest replay) nor than the floor a cut left it
                     deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
                 res, turns = run_policy(
-                    cfg, policy, trajectories, args, sink, seed, phase(policy), deadline, answered
+                    phase_cfg,
+                    policy,
+                    trajectories,
+                    args,
+                    sink,
+                    seed,
+                    phase(policy),
+                    deadline,
+                    answered,
+                    phase_cal,
                 )
                 out.append(res)
+                if phase_cal is not None and res.breakdown:
+                    scale = measured_compute_scale(res.breakdown, res.turns, phase_cal.prefill_s)
                 answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
                 if res.cut:  # the next policies replay what this one did, no more
                     cut.setdefault("deadline", {})[policy] = len(turns)
@@ -303,6 +331,28 @@ def run(args: argparse.Namespace) -> int:
         interrupted.reported = True
         raise interrupted  # the caller stops with 128 + the signal
     return 0 if all(r.failed == 0 for r in out) else 1
+
+
+def recalibrate(
+    args: argparse.Namespace,
+    cfg: config.ClusterConfig,
+    trajectories: list[Trajectory],
+    compute_scale: float,
+    label: str,
+) -> tuple[config.ClusterConfig, SnicCalibration]:
+    """A phase's cap, timed at the load just before it: the machine's load (other work, the
+    clusters before) changes the compute a turn gets, and the cap must stay above it."""
+    from dualpath.local.cluster import with_overrides
+
+    print(
+        f"[{label}] re-timing a turn's prefill here (load {os.getloadavg()[0]:.1f}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    cal = calibrate_snic(
+        cfg, trajectories, args.warmup_turns, args.read_to_compute, compute_scale=compute_scale
+    )
+    return with_overrides(cfg, **{"storage.snicGbps": cal.snic_gbps}), cal
 
 
 def fit_budget(
@@ -402,6 +452,10 @@ def result_doc(
         "ratio": ratio,
         # engine vllm: the ratio were storage all that bound both (`phase_breakdown`)
         "storage_only_ratio": storage_only_ratio(out),
+        # the phases' caps differ (re-calibrated): the ratio at one cap, where storage-bound
+        "ratio_per_snic_cap": ratio_per_cap(out),
+        # per phase: storage- or compute-bound against the compute it got
+        "bound": {r.policy: r.verdict.get("bound") for r in out},
         "same_greedy_answers": same,
         "compared_turns": len(keys),
         # each agent's first turns, served once before the policies: no second answer to compare
