@@ -27,6 +27,7 @@ import random
 import shutil
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -591,6 +592,22 @@ def summarize(
     )
 
 
+def scrape_counters(metrics_url: str, names: set[str]) -> dict[str, float]:
+    """The totals of the counter families `names` on one /metrics page (every label summed;
+    a histogram's total is its `_sum`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:  # noqa: S310 (local URL)
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for fam in text_string_to_metric_families(text):
+        if fam.name in names:
+            out[fam.name] += sum(
+                s.value for s in fam.samples if s.name.endswith(("_total", "_sum"))
+            )
+    return out
+
+
 # the connector's time counters a vLLM worker's /metrics carries (its vLLM process's)
 VLLM_SECONDS = {
     "dualpath_vllm_forward_seconds": "forward_s",
@@ -716,12 +733,16 @@ def replay_on(
     results: list[TurnResult] | None = None,
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> list[TurnResult]:
-    """`replay` against a running cluster's frontend, one connection per agent."""
+    """`replay` against a running cluster's frontend, one connection per agent, or through
+    `transport` (a peer's router, `bench local --peers`)."""
 
     async def go() -> list[TurnResult]:
         limits = httpx.Limits(max_connections=len(trajectories) + 4)
-        async with httpx.AsyncClient(base_url=frontend, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=frontend, limits=limits, transport=transport
+        ) as client:
             return await replay(
                 client,
                 trajectories,

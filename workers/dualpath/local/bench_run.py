@@ -11,13 +11,12 @@ import logging
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from dualpath import config
-from dualpath.local import budget
+from dualpath.local import budget, peers
 from dualpath.local.bench import (
     OFFLINE_SIZE,
     VLLM_SECONDS,
@@ -35,6 +34,7 @@ from dualpath.local.bench import (
     policy_config,
     ratio_per_cap,
     replay_on,
+    scrape_counters,
     seed_storage,
     signal_name,
     storage_only_ratio,
@@ -45,20 +45,6 @@ from dualpath.local.bench import (
 from dualpath.local.interrupt import Interrupted
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
-
-
-def scrape_counters(metrics_url: str, names: set[str]) -> dict[str, float]:
-    """The totals of the counter families `names` on one /metrics page (every label summed)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:  # noqa: S310 (local URL)
-        text = r.read().decode()
-    out = dict.fromkeys(names, 0.0)
-    for fam in text_string_to_metric_families(text):
-        if fam.name in names:
-            out[fam.name] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    return out
-
 
 READ_BYTES = "dualpath_kv_read_bytes"
 
@@ -200,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
             load_jsonl(args.trace), args.context, args.agents, args.turns
         )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    phases = [*PHASES, *policies]
+    peer_list = getattr(args, "peers", None) or []
+    phases = [*PHASES, *policies, *(f"peer {p}" for p in peer_list)]
 
     def phase(name: str) -> str:
         return f"{phases.index(name) + 1}/{len(phases)} {name}"
@@ -230,9 +217,16 @@ def run(args: argparse.Namespace) -> int:
     answers: dict[str, dict[tuple[str, int], list[int]]] = {}
     cut: dict[str, Any] = {"budget_s": args.budget_s, "trace_turns": trace_turns}
     interrupted: PolicyInterrupted | Interrupted | None = None
+    rows: list[peers.PeerRow] = []
+    if peer_list and cfg.spec.workers.engine != "vllm":
+        print("error: --peers compares vLLM deployments: pass --engine vllm", file=sys.stderr)
+        return 2
 
     def doc_now() -> dict[str, Any]:
-        return result_doc(args, cfg, calibration, spec, out, answers, cut, t_start, interrupted)
+        doc = result_doc(args, cfg, calibration, spec, out, answers, cut, t_start, interrupted)
+        if peer_list:
+            doc["peers"] = [asdict(r) for r in rows]
+        return doc
 
     try:
         with log_path.open("w") as sink:
@@ -293,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
                     trajectories = completed_only(trajectories, turns)
                     # the same turns, in (a fraction of) the time this one had: a fair chance
                     floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
+            if peer_list:
+                run_peers(args, cfg, trajectories, out, answers, answered or {}, phase, rows)
     except PolicyInterrupted as stop:
         interrupted = stop
         if stop.partial is not None:
@@ -315,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if out:
             print(table(out, doc["ratio"]))
+        if rows:
+            print(peers.peers_table(rows))
         print(
             f"same greedy answers across policies: {doc['same_greedy_answers']} "
             f"({doc['compared_turns']} turns compared; the {doc['warmup_turns']} warm-up turns, "
@@ -353,6 +351,33 @@ def recalibrate(
         cfg, trajectories, args.warmup_turns, args.read_to_compute, compute_scale=compute_scale
     )
     return with_overrides(cfg, **{"storage.snicGbps": cal.snic_gbps}), cal
+
+
+def run_peers(
+    args: argparse.Namespace,
+    cfg: config.ClusterConfig,
+    trajectories: list[Trajectory],
+    out: list[PolicyResult],
+    answers: dict[str, dict[tuple[str, int], list[int]]],
+    warmup_answers: dict[tuple[str, int], list[int]],
+    phase,
+    rows: list[peers.PeerRow],
+) -> None:
+    """`--peers`: each peer replays the trajectories the policies replayed, on as many vLLM
+    instances; its answers are compared with the dualpath phase's (and its warm-up's).
+    Appends to `rows` as each peer ends (an interrupt keeps the rows done)."""
+    ref_policy = "dualpath" if "dualpath" in answers else next(iter(answers), None)
+    reference = {**warmup_answers, **answers.get(ref_policy, {})} if ref_policy else {}
+    by = {r.policy: r for r in out}
+    if ref_policy in by:
+        n = len(answers[ref_policy])
+        rows.append(peers.dualpath_row(by[ref_policy], (n, n)))
+    for name in args.peers:
+        rows.append(
+            peers.run_peer(
+                peers.PEERS[name], cfg, trajectories, args, reference, phase(f"peer {name}")
+            )
+        )
 
 
 def fit_budget(
