@@ -110,13 +110,14 @@ PEERS: dict[str, Peer] = {
             "not start and vLLM serves from its own prefix cache",
         ),
         Peer(
-            "offload",
-            "vLLM + OffloadingConnector (vLLM's own KV offload to CPU memory; the closest to "
-            "LMCache that runs here), prefix cache on",
+            "disk",
+            "vLLM + ExampleConnector (vLLM's KV-to-disk connector, formerly "
+            "SharedStorageConnector: every prompt's KV saved to and loaded from local disk; "
+            "the closest to LMCache's local disk backend that runs here), prefix cache on",
             kv_transfer=lambda i, d: {
-                "kv_connector": "OffloadingConnector",
+                "kv_connector": "ExampleConnector",
                 "kv_role": "kv_both",
-                "kv_connector_extra_config": {"num_cpu_blocks": 1024},
+                "kv_connector_extra_config": {"shared_storage_path": str(d / f"disk-kv-{i}")},
             },
         ),
         Peer(
