@@ -223,3 +223,24 @@ def test_bytes_per_path_come_from_vllms_counters() -> None:
         {peers.PREFIX_HITS: 100.0, peers.EXTERNAL_HITS: 10.0, peers.NIXL_BYTES: 5e6}, 16384
     )
     assert got == {"prefix_cache": 1638400, "connector": 163840, "nixl": 5000000}
+
+
+def test_generated_text_with_unicode_line_separators_does_not_split_a_chunk() -> None:
+    # vLLM writes text unescaped: U+2028 / U+0085 inside a JSON string are not line ends
+    def answer(request: httpx.Request) -> httpx.Response:
+        chunk = {"choices": [{"text": "a\u2028b\x85c", "token_ids": [7], "finish_reason": "stop"}]}
+        usage = {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
+        body = "data: " + json.dumps(chunk, ensure_ascii=False) + "\n\n"
+        body += "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, content=body.encode())
+
+    router = PeerRouter(["http://v0:1"], path="vllm", upstream=httpx.MockTransport(answer))
+    results = _replay(router, [Trajectory("a", [Turn(8, 1)] * 2, first_tokens=16)])
+    assert [r.generated for r in results] == [[7], [7]] and all(r.ok for r in results)
+
+
+def test_coloured_log_levels_are_captured_without_their_colour_codes() -> None:
+    line = "\x1b[31;20m[2026-12-07 00:07:27,463] LMCache ERROR:\x1b[0m Failed to initialize"
+    assert peers.captured_errors(line) == [
+        "[2026-12-07 00:07:27,463] LMCache ERROR: Failed to initialize"
+    ]

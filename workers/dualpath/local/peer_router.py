@@ -80,9 +80,22 @@ class AnswerStream(httpx.AsyncByteStream):
     def __init__(self, upstream: httpx.Response, path: str) -> None:
         self.upstream, self.path = upstream, path
 
+    async def lines(self) -> AsyncIterator[str]:
+        """The upstream's lines, split on b"\n" only: vLLM writes generated text unescaped
+        in its JSON, and text may hold U+2028 or U+0085, which httpx's `aiter_lines` (like
+        `str.splitlines`) would split a JSON string on."""
+        buf = b""
+        async for chunk in self.upstream.aiter_bytes():
+            buf += chunk
+            *whole, buf = buf.split(b"\n")
+            for raw in whole:
+                yield raw.rstrip(b"\r").decode()
+        if buf:
+            yield buf.decode()
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         ids: list[int] = []
-        async for line in self.upstream.aiter_lines():
+        async for line in self.lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 ev = json.loads(line[6:])
                 for choice in ev.get("choices") or ():

@@ -15,6 +15,7 @@ Nothing here stands in for a peer that did not run.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import signal
@@ -45,6 +46,7 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred"  # NIXL's bytes moved between instanc
 PEER_COUNTERS = (PREFIX_HITS, EXTERNAL_HITS, NIXL_BYTES)
 ROOT = Path(__file__).resolve().parents[3]  # the repository (its .venv-* peers' venvs)
 LMCACHE_VENV = ROOT / ".venv-lmcache"  # scripts/install-lmcache.sh
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class PeerRow:
     logs: list[str] = field(default_factory=list)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # LMCache colours its log levels
 ERROR_LINE = re.compile(r"\bERROR\b|^\w+(\.\w+)*(Error|Exception): |\bError: ")
 # vLLM's and LMCache's log prefix (time, level, file:line): the message is what stays
 LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(\[[^\]]*\] )*")
@@ -187,7 +190,7 @@ def captured_errors(log_text: str, limit: int = 4) -> list[str]:
     found: list[str] = []
     last_exc = None
     for raw in log_text.splitlines():
-        line = raw.strip()
+        line = ANSI.sub("", raw).strip()
         if not line or not ERROR_LINE.search(line):
             continue
         if re.match(r"^\w+(\.\w+)*(Error|Exception): ", line):
@@ -383,16 +386,20 @@ def run_peer(
 
             router = PeerRouter(urls[p:], urls[:p], path=peer.name)
             total = sum(len(t.turns) for t in trajectories)
-            replay_on(
-                "http://peer",
-                cfg,
-                trajectories,
-                args,
-                Progress(total, peer.name, phase=phase),
-                on_warm=on_warm,
-                results=results,
-                transport=router,
-            )
+            try:
+                replay_on(
+                    "http://peer",
+                    cfg,
+                    trajectories,
+                    args,
+                    Progress(total, peer.name, phase=phase),
+                    on_warm=on_warm,
+                    results=results,
+                    transport=router,
+                )
+            except Exception as e:  # noqa: BLE001 (the bench's own fault, shown in the row)
+                log.exception("peer %s: the replay failed", peer.name)
+                why = f"the bench's replay failed: {type(e).__name__}: {e}"
             if "t0" in mark:
                 ends = [r.end_s for r in results if r.ok and not r.warmup]
                 elapsed = (max(ends) if ends else time.perf_counter()) - mark["t0"]
