@@ -293,6 +293,11 @@ class Instances:
                 )
         return self
 
+    def served(self) -> str:
+        """The logs up to now: what the instances wrote while serving (read before the stop,
+        whose teardown logs errors of its own, e.g. vLLM's `AsyncLLM output_handler failed`)."""
+        return "\n".join(p.read_text(errors="replace") for p in self.logs)
+
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -409,7 +414,7 @@ def run_peer(
                 res.loadavg = [row.loadavg[0], round(os.getloadavg()[0], 2)]
                 row.result = asdict(res)
         row.loadavg.append(round(os.getloadavg()[0], 2))
-    logged = captured_errors("\n".join(p.read_text(errors="replace") for p in logs))
+        logged = captured_errors(inst.served())
     row.errors = ([why] if why else []) + logged
     row.why = peer.known_limit if row.errors else ""
     mine = {(t.agent, t.turn): t.generated for t in results if t.ok}
