@@ -27,6 +27,7 @@ import random
 import shutil
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,65 @@ class SnicCalibration:
     samples: int
     read_to_compute: float
     snic_gbps: float
+    # the serving engine's measured compute per turn over this in-process prefill, from the
+    # phase before (engine vllm; 1: not measured yet, or the torch engine itself)
+    compute_scale: float = 1.0
+
+
+def snic_gbps_for(hit_bytes: int, compute_s: float, read_to_compute: float) -> float:
+    """The cap (Gbps) at which reading `hit_bytes` takes `read_to_compute` x `compute_s`."""
+    if not (compute_s > 0 and read_to_compute > 0):
+        raise ValueError(
+            f"compute_s and read_to_compute must be > 0: {compute_s}, {read_to_compute}"
+        )
+    return hit_bytes * 8 / 1e9 / (read_to_compute * compute_s)
+
+
+def measured_compute_scale(breakdown: dict[str, Any], turns: int, prefill_s: float) -> float:
+    """How many times the in-process prefill (`prefill_s`, the calibration's) the serving
+    engine's prefill instance computed per measured turn in a phase (`phase_breakdown`'s
+    compute over its turns; engine vllm: vLLM's compute is not the torch engine's, and the
+    load differs inside a phase). 1.0 when nothing was measured."""
+    compute_s = breakdown.get("prefill_compute_s", 0.0) if breakdown else 0.0
+    if turns <= 0 or prefill_s <= 0 or compute_s <= 0:
+        return 1.0
+    return compute_s / turns / prefill_s
+
+
+def phase_bound(snic_busy: float, compute_busy: float) -> str:
+    """What bound a phase: storage when its busiest SNICs were busy at least as much of the
+    time as its prefill computed, else compute."""
+    return "storage" if snic_busy >= compute_busy else "compute"
+
+
+def phase_verdict(
+    res: PolicyResult, calibration: SnicCalibration | None, nodes: dict[str, int]
+) -> dict[str, Any]:
+    """Was a phase storage-bound, judged against the compute it got: engine vllm, the prefill
+    vLLM's measured compute (`res.breakdown`); else the phase's own calibrated prefill times
+    its turns (the torch engine the calibration runs). Empty when nothing was measured."""
+    if not res.elapsed_s or not res.turns:
+        return {}
+    if res.breakdown:
+        snic_busy = res.breakdown["busiest_snic_busy"]
+        compute_busy, source = res.breakdown["prefill_compute_busy"], "measured"
+    elif calibration is not None:
+        per_snic = res.snic_caps_bytes_per_s / max(1, sum(nodes.values()))
+        storage_s = max(
+            res.bytes_read.get(role, 0) / (per_snic * n) for role, n in nodes.items() if n
+        )
+        snic_busy = storage_s / res.elapsed_s
+        # the prefill nodes share the turns
+        compute_s = calibration.prefill_s * res.turns / max(1, nodes.get("prefill", 1))
+        compute_busy, source = compute_s / res.elapsed_s, "calibrated"
+    else:
+        return {}
+    return {
+        "bound": phase_bound(snic_busy, compute_busy),
+        "busiest_snic_busy": round(snic_busy, 3),
+        "prefill_compute_busy": round(compute_busy, 3),
+        "compute_from": source,
+    }
 
 
 def median_turn(
@@ -110,9 +170,12 @@ def calibrate_snic(
     warmup_turns: int,
     read_to_compute: float = READ_TO_COMPUTE,
     samples: int = 7,
+    compute_scale: float = 1.0,
 ) -> SnicCalibration:
     """Time the median turn's prefill in process (the engine the prefill worker runs, its hit
-    KV in memory) and derive the SNIC cap that makes its hit read `read_to_compute` times as long."""
+    KV in memory) and derive the SNIC cap that makes its hit read `read_to_compute` times as long
+    as that prefill times `compute_scale` (`measured_compute_scale`: how much slower the
+    serving engine computed a turn in the phase before)."""
     import statistics
 
     from dualpath.engine.calibrate import measure_one
@@ -138,8 +201,10 @@ def calibrate_snic(
     with Engine(spec, kv_capacity_tokens=hit + new + layout.block_tokens) as engine:
         times = run_interruptible(timed())
     prefill_s = statistics.median(times)
-    gbps = hit_bytes * 8 / 1e9 / (read_to_compute * prefill_s)
-    cal = SnicCalibration(hit, new, hit_bytes, prefill_s, len(times), read_to_compute, gbps)
+    gbps = snic_gbps_for(hit_bytes, prefill_s * compute_scale, read_to_compute)
+    cal = SnicCalibration(
+        hit, new, hit_bytes, prefill_s, len(times), read_to_compute, gbps, compute_scale
+    )
     log.info(
         "SNIC cap %.3f Gbps: the median turn (%d hit + %d new tokens) prefills in %.3f s here, "
         "its %.1f MB hit reads in %.1fx that",
@@ -181,6 +246,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=READ_TO_COMPUTE,
         help="with --snic-gbps auto: a turn's hit read time over its prefill compute time",
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --snic-gbps auto: time the prefill again just before each policy's phase "
+        "(at the load then) and set that phase's cap from it; engine vllm also scales it by "
+        "how much slower vLLM computed a turn in the phase before (measured). Each phase says "
+        "whether it was storage-bound against the compute it got",
     )
     parser.add_argument(
         "--agents", type=int, default=None, help="agents (default 12; --online: sessions stored, 8)"
@@ -269,6 +343,12 @@ class PolicyResult:
     turns_by_path: dict[str, int] = field(default_factory=dict)
     # engine vllm: where the phase's time went (`phase_breakdown`)
     breakdown: dict[str, Any] = field(default_factory=dict)
+    # this phase's SNIC cap per node and how it was re-calibrated just before the phase
+    snic_gbps: float = 0.0
+    calibration: dict[str, Any] = field(default_factory=dict)
+    # storage- or compute-bound, against the compute the phase got (`phase_verdict`)
+    verdict: dict[str, Any] = field(default_factory=dict)
+    loadavg: list[float] = field(default_factory=list)  # 1-min load at its start and end
     # "": ran every planned turn; "deadline": cut at its phase's deadline (--budget-s);
     # "interrupted": SIGINT/SIGTERM, the figures of the turns done so far
     cut: str = ""
@@ -512,6 +592,22 @@ def summarize(
     )
 
 
+def scrape_counters(metrics_url: str, names: set[str]) -> dict[str, float]:
+    """The totals of the counter families `names` on one /metrics page (every label summed;
+    a histogram's total is its `_sum`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:  # noqa: S310 (local URL)
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for fam in text_string_to_metric_families(text):
+        if fam.name in names:
+            out[fam.name] += sum(
+                s.value for s in fam.samples if s.name.endswith(("_total", "_sum"))
+            )
+    return out
+
+
 # the connector's time counters a vLLM worker's /metrics carries (its vLLM process's)
 VLLM_SECONDS = {
     "dualpath_vllm_forward_seconds": "forward_s",
@@ -554,32 +650,66 @@ def phase_breakdown(
         "storage_s": round(storage_s, 2),
         "busiest_snic_busy": round(snic_busy, 3),
         "prefill_compute_busy": round(compute_busy, 3),
-        "bound": "storage" if snic_busy >= compute_busy else "compute",
+        "bound": phase_bound(snic_busy, compute_busy),
     }
 
 
+def verdict_line(r: PolicyResult) -> str | None:
+    """A phase's verdict: storage-bound or not, against the compute it got (`phase_verdict`)."""
+    v = r.verdict
+    if not v:
+        return None
+    what = (
+        "storage-bound"
+        if v["bound"] == "storage"
+        else "NOT storage-bound (compute-bound: the SNIC cap is not what limits this phase)"
+    )
+    cap = f"SNIC cap {r.snic_gbps:.3f} Gbps" if r.snic_gbps else "SNIC cap"
+    if r.calibration:
+        cal = r.calibration
+        cap += f" (re-calibrated before the phase: prefill {cal['prefill_s']:.2f} s"
+        if cal.get("compute_scale", 1.0) != 1.0:
+            cap += f" x {cal['compute_scale']:.2f} measured in the phase before"
+        cap += ")"
+    load = f", load {r.loadavg[0]:.0f}-{r.loadavg[-1]:.0f}" if r.loadavg else ""
+    return (
+        f"{r.policy}: {what}; busiest SNICs busy {v['busiest_snic_busy']:.2f} of the phase, "
+        f"prefill computing {v['prefill_compute_busy']:.2f} ({v['compute_from']}); {cap}{load}"
+    )
+
+
 def breakdown_lines(results: list[PolicyResult]) -> list[str]:
-    """One line a phase: where its time went and what bound it (engine vllm)."""
+    """One line a phase: what bound it and (engine vllm) where its time went."""
     lines = []
     for r in results:
+        verdict = verdict_line(r)
+        if verdict:
+            lines.append(verdict)
         b = r.breakdown
         if not b:
             continue
-        verdict = (
-            "storage-bound"
-            if b["bound"] == "storage"
-            else "NOT storage-bound (compute-bound: the SNIC cap is not what limits this phase)"
-        )
         lines.append(
-            f"{r.policy}: {verdict}; of {r.elapsed_s:.0f} s the busiest SNICs read "
-            f"{b['busiest_snic_busy']:.2f}, the prefill vLLM computed {b['prefill_compute_busy']:.2f} "
-            f"(forwards {b['prefill_forward_s']:.0f} s: compute {b['prefill_compute_s']:.0f}, "
+            f"  {r.policy} time: of {r.elapsed_s:.0f} s, prefill vLLM forwards "
+            f"{b['prefill_forward_s']:.0f} s (compute {b['prefill_compute_s']:.0f}, "
             f"waiting for hit KV {b['prefill_load_wait_s']:.0f}, sends+saves "
             f"{b['prefill_save_wait_s']:.0f}); decode forwards {b['decode_forward_s']:.0f} s, "
             f"decode store reads {b['decode_hit_read_s']:.0f} s; storage alone "
             f"{b['storage_s']:.0f} s"
         )
     return lines
+
+
+def ratio_per_cap(results: list[PolicyResult]) -> float | None:
+    """dualpath / prefill-read throughput per unit of SNIC cap: what the tokens/s ratio would
+    be at one cap, where both phases were storage-bound (their throughput scales with the cap)
+    and re-calibration gave them different caps. None when the caps are equal or unknown."""
+    by = {r.policy: r for r in results}
+    pr, dp = by.get("prefill-read"), by.get("dualpath")
+    if not (pr and dp and pr.snic_gbps and dp.snic_gbps and pr.tokens_per_s):
+        return None
+    if pr.snic_gbps == dp.snic_gbps:
+        return None
+    return round((dp.tokens_per_s / dp.snic_gbps) / (pr.tokens_per_s / pr.snic_gbps), 3)
 
 
 def storage_only_ratio(results: list[PolicyResult]) -> float | None:
@@ -603,12 +733,16 @@ def replay_on(
     results: list[TurnResult] | None = None,
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> list[TurnResult]:
-    """`replay` against a running cluster's frontend, one connection per agent."""
+    """`replay` against a running cluster's frontend, one connection per agent, or through
+    `transport` (a peer's router, `bench local --peers`)."""
 
     async def go() -> list[TurnResult]:
         limits = httpx.Limits(max_connections=len(trajectories) + 4)
-        async with httpx.AsyncClient(base_url=frontend, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=frontend, limits=limits, transport=transport
+        ) as client:
             return await replay(
                 client,
                 trajectories,
@@ -729,6 +863,16 @@ def table(results: list[PolicyResult], ratio: float | None) -> str:
         )
     if ratio is not None:
         lines.append(f"ratio (dualpath / prefill-read tokens/s) = {ratio:.2f}")
+    per_cap = ratio_per_cap(results)
+    if per_cap is not None:
+        lines.append(
+            f"ratio per unit of SNIC cap (the phases' caps differ: re-calibrated) = {per_cap:.2f}"
+            + (
+                ""
+                if all(r.verdict.get("bound") == "storage" for r in results if r.verdict)
+                else " (a phase was not storage-bound: read it with its verdict)"
+            )
+        )
     lines.extend(breakdown_lines(results))
     storage_ratio = storage_only_ratio(results)
     if storage_ratio is not None:

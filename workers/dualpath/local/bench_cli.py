@@ -11,13 +11,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dualpath.local import bench, bench_run, online
+from dualpath.local import bench, bench_run, online, peers
 from dualpath.local.interrupt import Interrupted, interruptible
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_arguments(parser)
     online.add_arguments(parser)
+    peers.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,13 +11,12 @@ import logging
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from dualpath import config
-from dualpath.local import budget
+from dualpath.local import budget, peers
 from dualpath.local.bench import (
     OFFLINE_SIZE,
     VLLM_SECONDS,
@@ -28,10 +27,14 @@ from dualpath.local.bench import (
     base_config,
     bench_config,
     calibrate_snic,
+    measured_compute_scale,
     phase_breakdown,
+    phase_verdict,
     plot,
     policy_config,
+    ratio_per_cap,
     replay_on,
+    scrape_counters,
     seed_storage,
     signal_name,
     storage_only_ratio,
@@ -42,20 +45,6 @@ from dualpath.local.bench import (
 from dualpath.local.interrupt import Interrupted
 from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
-
-
-def scrape_counters(metrics_url: str, names: set[str]) -> dict[str, float]:
-    """The totals of the counter families `names` on one /metrics page (every label summed)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:  # noqa: S310 (local URL)
-        text = r.read().decode()
-    out = dict.fromkeys(names, 0.0)
-    for fam in text_string_to_metric_families(text):
-        if fam.name in names:
-            out[fam.name] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    return out
-
 
 READ_BYTES = "dualpath_kv_read_bytes"
 
@@ -92,16 +81,20 @@ def run_policy(
     phase: str = "",
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
+    calibration: SnicCalibration | None = None,
 ) -> tuple[PolicyResult, list[TurnResult]]:
     """One policy's cluster replays `trajectories`: the figures from its first measured turn
     (after every agent's warm-up) to its last ended one. At `deadline_s` (time.monotonic()) no
     turn starts any more (`PolicyResult.cut`); on SIGINT/SIGTERM raises `PolicyInterrupted`
-    with the figures so far. The warm-up turns in `answered` are not sent again."""
+    with the figures so far. The warm-up turns in `answered` are not sent again.
+    `calibration`: how this phase's cap was set (its verdict's compute, engine dualpath)."""
     from dualpath.local.cluster import LocalCluster
 
     pcfg = policy_config(cfg, policy, seed)
     run_dir = Path(args.out) / policy
+    by_role = {"prefill": pcfg.spec.prefill.replicas, "decode": pcfg.spec.decode.replicas}
     nodes = pcfg.spec.prefill.replicas + pcfg.spec.decode.replicas
+    load_start = round(os.getloadavg()[0], 2)
     caps = nodes * gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps)
     results: list[TurnResult] = []
     answered = answered or {}
@@ -129,6 +122,9 @@ def run_policy(
             read = {role: int(d[READ_BYTES]) for role, d in delta.items()}
             res = summarize(policy, results, elapsed, read, caps)
             res.cut = cut
+            res.snic_gbps = pcfg.spec.storage.snic_gbps
+            res.calibration = asdict(calibration) if calibration else {}
+            res.loadavg = [load_start, round(os.getloadavg()[0], 2)]
             if pcfg.spec.workers.engine == "vllm":
                 seconds = {
                     role: {VLLM_SECONDS[k]: d[k] for k in VLLM_SECONDS} for role, d in delta.items()
@@ -138,8 +134,9 @@ def run_policy(
                     elapsed,
                     read,
                     gbps_to_bytes_per_s(pcfg.spec.storage.snic_gbps),
-                    {"prefill": pcfg.spec.prefill.replicas, "decode": pcfg.spec.decode.replicas},
+                    by_role,
                 )
+            res.verdict = phase_verdict(res, calibration, by_role)
             return res
 
         try:
@@ -189,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
             load_jsonl(args.trace), args.context, args.agents, args.turns
         )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    phases = [*PHASES, *policies]
+    peer_list = getattr(args, "peers", None) or []
+    phases = [*PHASES, *policies, *(f"peer {p}" for p in peer_list)]
 
     def phase(name: str) -> str:
         return f"{phases.index(name) + 1}/{len(phases)} {name}"
@@ -219,9 +217,16 @@ def run(args: argparse.Namespace) -> int:
     answers: dict[str, dict[tuple[str, int], list[int]]] = {}
     cut: dict[str, Any] = {"budget_s": args.budget_s, "trace_turns": trace_turns}
     interrupted: PolicyInterrupted | Interrupted | None = None
+    rows: list[peers.PeerRow] = []
+    if peer_list and cfg.spec.workers.engine != "vllm":
+        print("error: --peers compares vLLM deployments: pass --engine vllm", file=sys.stderr)
+        return 2
 
     def doc_now() -> dict[str, Any]:
-        return result_doc(args, cfg, calibration, spec, out, answers, cut, t_start, interrupted)
+        doc = result_doc(args, cfg, calibration, spec, out, answers, cut, t_start, interrupted)
+        if peer_list:
+            doc["peers"] = [asdict(r) for r in rows]
+        return doc
 
     try:
         with log_path.open("w") as sink:
@@ -246,7 +251,13 @@ def run(args: argparse.Namespace) -> int:
                 )
             predicted = cut.get("predicted_phase_s", {})
             floor_s = 0.0  # after a cut phase: the next ones get at least half its time
+            scale = 1.0  # engine vllm: vLLM's compute per turn over the calibration's
             for i, policy in enumerate(policies):
+                phase_cfg, phase_cal = cfg, calibration
+                if args.snic_gbps == "auto" and args.recalibrate:
+                    phase_cfg, phase_cal = recalibrate(
+                        args, cfg, trajectories, scale, phase(policy)
+                    )
                 deadline = None
                 t_phase = time.monotonic()
                 if end_s is not None and predicted:
@@ -256,15 +267,28 @@ def run(args: argparse.Namespace) -> int:
                     # its smallest replay) nor than the floor a cut left it
                     deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
                 res, turns = run_policy(
-                    cfg, policy, trajectories, args, sink, seed, phase(policy), deadline, answered
+                    phase_cfg,
+                    policy,
+                    trajectories,
+                    args,
+                    sink,
+                    seed,
+                    phase(policy),
+                    deadline,
+                    answered,
+                    phase_cal,
                 )
                 out.append(res)
+                if phase_cal is not None and res.breakdown:
+                    scale = measured_compute_scale(res.breakdown, res.turns, phase_cal.prefill_s)
                 answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
                 if res.cut:  # the next policies replay what this one did, no more
                     cut.setdefault("deadline", {})[policy] = len(turns)
                     trajectories = completed_only(trajectories, turns)
                     # the same turns, in (a fraction of) the time this one had: a fair chance
                     floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
+            if peer_list:
+                run_peers(args, cfg, trajectories, out, answers, answered or {}, phase, rows)
     except PolicyInterrupted as stop:
         interrupted = stop
         if stop.partial is not None:
@@ -287,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if out:
             print(table(out, doc["ratio"]))
+        if rows:
+            print(peers.peers_table(rows))
         print(
             f"same greedy answers across policies: {doc['same_greedy_answers']} "
             f"({doc['compared_turns']} turns compared; the {doc['warmup_turns']} warm-up turns, "
@@ -303,6 +329,55 @@ def run(args: argparse.Namespace) -> int:
         interrupted.reported = True
         raise interrupted  # the caller stops with 128 + the signal
     return 0 if all(r.failed == 0 for r in out) else 1
+
+
+def recalibrate(
+    args: argparse.Namespace,
+    cfg: config.ClusterConfig,
+    trajectories: list[Trajectory],
+    compute_scale: float,
+    label: str,
+) -> tuple[config.ClusterConfig, SnicCalibration]:
+    """A phase's cap, timed at the load just before it: the machine's load (other work, the
+    clusters before) changes the compute a turn gets, and the cap must stay above it."""
+    from dualpath.local.cluster import with_overrides
+
+    print(
+        f"[{label}] re-timing a turn's prefill here (load {os.getloadavg()[0]:.1f}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    cal = calibrate_snic(
+        cfg, trajectories, args.warmup_turns, args.read_to_compute, compute_scale=compute_scale
+    )
+    return with_overrides(cfg, **{"storage.snicGbps": cal.snic_gbps}), cal
+
+
+def run_peers(
+    args: argparse.Namespace,
+    cfg: config.ClusterConfig,
+    trajectories: list[Trajectory],
+    out: list[PolicyResult],
+    answers: dict[str, dict[tuple[str, int], list[int]]],
+    warmup_answers: dict[tuple[str, int], list[int]],
+    phase,
+    rows: list[peers.PeerRow],
+) -> None:
+    """`--peers`: each peer replays the trajectories the policies replayed, on as many vLLM
+    instances; its answers are compared with the dualpath phase's (and its warm-up's).
+    Appends to `rows` as each peer ends (an interrupt keeps the rows done)."""
+    ref_policy = "dualpath" if "dualpath" in answers else next(iter(answers), None)
+    reference = {**warmup_answers, **answers.get(ref_policy, {})} if ref_policy else {}
+    by = {r.policy: r for r in out}
+    if ref_policy in by:
+        n = len(answers[ref_policy])
+        rows.append(peers.dualpath_row(by[ref_policy], (n, n)))
+    for name in args.peers:
+        rows.append(
+            peers.run_peer(
+                peers.PEERS[name], cfg, trajectories, args, reference, phase(f"peer {name}")
+            )
+        )
 
 
 def fit_budget(
@@ -402,6 +477,10 @@ def result_doc(
         "ratio": ratio,
         # engine vllm: the ratio were storage all that bound both (`phase_breakdown`)
         "storage_only_ratio": storage_only_ratio(out),
+        # the phases' caps differ (re-calibrated): the ratio at one cap, where storage-bound
+        "ratio_per_snic_cap": ratio_per_cap(out),
+        # per phase: storage- or compute-bound against the compute it got
+        "bound": {r.policy: r.verdict.get("bound") for r in out},
         "same_greedy_answers": same,
         "compared_turns": len(keys),
         # each agent's first turns, served once before the policies: no second answer to compare

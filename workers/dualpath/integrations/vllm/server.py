@@ -43,30 +43,41 @@ def kv_transfer_config(cc: ConnectorConfig) -> dict:
     }
 
 
-def vllm_executable() -> str:
-    """The `vllm` command next to this interpreter (the venv's), else on PATH."""
-    here = Path(sys.executable).parent / "vllm"
-    found = str(here) if here.exists() else shutil.which("vllm")
+def vllm_executable(venv: Path | None = None) -> str:
+    """The `vllm` command of `venv`, else the one next to this interpreter (the venv's), else
+    on PATH."""
+    here = (venv / "bin" if venv else Path(sys.executable).parent) / "vllm"
+    found = str(here) if here.exists() else None if venv else shutil.which("vllm")
     if not found:
         raise FileNotFoundError(
-            "workers.engine is vllm but no `vllm` command is installed: "
-            "run scripts/install-vllm.sh <venv> (make venv does)"
+            f"no `vllm` command in {venv}"
+            if venv
+            else "workers.engine is vllm but no `vllm` "
+            "command is installed: run scripts/install-vllm.sh <venv> (make venv does)"
         )
     return found
 
 
-def vllm_command(cfg: ClusterConfig, *, port: int, connector: ConnectorConfig) -> VllmCommand:
-    """`connector`: the connector's settings (its `token_file`, `tls_dir`: how it authenticates
-    to the scheduler, the worker's own, `grpc_auth.auth_files`)."""
+def vllm_serve(
+    cfg: ClusterConfig,
+    *,
+    port: int,
+    kv_transfer: dict | None,
+    prefix_caching: bool = False,
+    venv: Path | None = None,
+) -> VllmCommand:
+    """`vllm serve` of the config's checkpoint on a loopback port, as every vLLM here runs
+    (the DualPath workers' and the peers' of `bench local --peers`): `kv_transfer` its
+    `--kv-transfer-config` (None: none), `prefix_caching` vLLM's own prefix cache, `venv`
+    where its `vllm` is (default: this interpreter's)."""
     model = cfg.spec.model
     if not model.checkpoint_path:
         raise ValueError(
             "workers.engine vllm needs model.checkpointPath: write one with "
             "`dualpath model write --out DIR` (dualpath up --engine vllm does)"
         )
-    kv = kv_transfer_config(connector)
     argv = [
-        vllm_executable(),
+        vllm_executable(venv),
         "serve",
         model.checkpoint_path,
         "--host",
@@ -82,13 +93,12 @@ def vllm_command(cfg: ClusterConfig, *, port: int, connector: ConnectorConfig) -
         "--block-size",
         str(VLLM_BLOCK_TOKENS),
         "--enforce-eager",
-        # every hit is DualPath's: vLLM's own prefix cache would serve a node's repeats itself
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
-        "--kv-transfer-config",
-        json.dumps(kv),
     ]
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = {
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": str(CPU_KVCACHE_GIB),
@@ -96,3 +106,11 @@ def vllm_command(cfg: ClusterConfig, *, port: int, connector: ConnectorConfig) -
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
     return VllmCommand(argv, env)
+
+
+def vllm_command(cfg: ClusterConfig, *, port: int, connector: ConnectorConfig) -> VllmCommand:
+    """A DualPath worker's vLLM. `connector`: the connector's settings (its `token_file`,
+    `tls_dir`: how it authenticates to the scheduler, the worker's own,
+    `grpc_auth.auth_files`). Every hit is DualPath's: vLLM's own prefix cache would serve a
+    node's repeats itself."""
+    return vllm_serve(cfg, port=port, kv_transfer=kv_transfer_config(connector))

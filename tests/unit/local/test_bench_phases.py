@@ -1,0 +1,152 @@
+"""`dualpath bench local`: each policy's phase gets a cap re-calibrated just before it, and is
+judged storage- or compute-bound against the compute it actually got (no cluster, no vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from dualpath.config import local_default
+from dualpath.local import bench, bench_cli, bench_run
+from dualpath.local.cluster import with_overrides
+from dualpath.trace import TraceSpec, Trajectory, Turn
+from tiny_configs import tiny_model
+
+NODES = {"prefill": 1, "decode": 2}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _phase(policy: str, **over) -> bench.PolicyResult:
+    res = bench.PolicyResult(
+        policy=policy,
+        elapsed_s=100.0,
+        turns=50,
+        failed=0,
+        tokens_per_s=1000.0,
+        generated_tokens_per_s=2.0,
+        jct_s=100.0,
+        ttft_p50_s=1.0,
+        ttft_p99_s=2.0,
+        hit_rate=0.9,
+        bytes_read={"prefill": 0, "decode": 0},
+        snic_caps_bytes_per_s=3 * 1e9 / 8,  # 3 nodes at 1 Gbps
+        pooled_snic_util=0.5,
+        snic_gbps=1.0,
+    )
+    for k, v in over.items():
+        setattr(res, k, v)
+    return res
+
+
+def _cal(prefill_s: float, scale: float = 1.0) -> bench.SnicCalibration:
+    return bench.SnicCalibration(1024, 32, 10**7, prefill_s, 3, 4.0, 0.1, scale)
+
+
+def test_the_cap_makes_the_hit_read_take_read_to_compute_times_the_compute() -> None:
+    gbps = bench.snic_gbps_for(10**9, compute_s=2.0, read_to_compute=4.0)
+    assert 10**9 * 8 / (gbps * 1e9) == pytest.approx(8.0)
+    # a slower engine (scale 2) halves the cap: the read stays 4x its compute
+    assert bench.snic_gbps_for(10**9, 2.0 * 2, 4.0) == pytest.approx(gbps / 2)
+    with pytest.raises(ValueError):
+        bench.snic_gbps_for(10**9, 0.0, 4.0)
+
+
+def test_the_compute_scale_is_the_measured_compute_per_turn_over_the_calibrated_one() -> None:
+    # vLLM computed 100 s over 50 turns (2 s a turn) where the in-process prefill took 0.5 s
+    assert bench.measured_compute_scale({"prefill_compute_s": 100.0}, 50, 0.5) == 4.0
+    # nothing measured (torch engine, no turns, a cut phase): the calibration stands
+    assert bench.measured_compute_scale({}, 50, 0.5) == 1.0
+    assert bench.measured_compute_scale({"prefill_compute_s": 100.0}, 0, 0.5) == 1.0
+
+
+def test_a_vllm_phase_is_judged_on_the_compute_its_counters_measured() -> None:
+    breakdown = {"busiest_snic_busy": 0.37, "prefill_compute_busy": 0.55}
+    v = bench.phase_verdict(_phase("dualpath", breakdown=breakdown), _cal(0.1), NODES)
+    assert v == {
+        "bound": "compute",
+        "busiest_snic_busy": 0.37,
+        "prefill_compute_busy": 0.55,
+        "compute_from": "measured",
+    }
+    breakdown = {"busiest_snic_busy": 0.52, "prefill_compute_busy": 0.40}
+    v = bench.phase_verdict(_phase("prefill-read", breakdown=breakdown), None, NODES)
+    assert v["bound"] == "storage"
+
+
+def test_a_torch_engine_phase_is_judged_on_its_own_calibrated_prefill() -> None:
+    # prefill-read: 9e9 bytes through the one prefill SNIC at 1 Gbps = 72 s of 100;
+    # 50 turns x 0.5 s = 25 s of compute
+    res = _phase("prefill-read", bytes_read={"prefill": 9 * 10**9, "decode": 0})
+    v = bench.phase_verdict(res, _cal(0.5), NODES)
+    assert (v["bound"], v["compute_from"]) == ("storage", "calibrated")
+    assert v["busiest_snic_busy"] == pytest.approx(0.72)
+    assert v["prefill_compute_busy"] == pytest.approx(0.25)
+    # the same reads at 1.8 s a turn of compute: 90 s > 72 s
+    assert bench.phase_verdict(res, _cal(1.8), NODES)["bound"] == "compute"
+    # nothing measured: no verdict rather than a guess
+    assert bench.phase_verdict(res, None, NODES) == {}
+    assert bench.phase_verdict(_phase("x", turns=0), _cal(0.5), NODES) == {}
+
+
+def test_the_table_says_per_phase_whether_it_was_storage_bound() -> None:
+    pr = _phase(
+        "prefill-read",
+        verdict={
+            "bound": "storage",
+            "busiest_snic_busy": 0.8,
+            "prefill_compute_busy": 0.3,
+            "compute_from": "measured",
+        },
+        calibration={"prefill_s": 0.5, "compute_scale": 1.0},
+        loadavg=[14.0, 20.0],
+    )
+    dp = _phase(
+        "dualpath",
+        tokens_per_s=1500.0,
+        snic_gbps=0.5,
+        verdict={
+            "bound": "compute",
+            "busiest_snic_busy": 0.3,
+            "prefill_compute_busy": 0.6,
+            "compute_from": "measured",
+        },
+        calibration={"prefill_s": 0.5, "compute_scale": 2.0},
+    )
+    text = bench.table([pr, dp], 1.5)
+    assert "prefill-read: storage-bound" in text and "load 14-20" in text
+    assert "dualpath: NOT storage-bound" in text and "x 2.00 measured" in text
+    # the caps differ: per unit of cap 1500/0.5 over 1000/1 = 3
+    assert bench.ratio_per_cap([pr, dp]) == 3.0
+    assert "ratio per unit of SNIC cap" in text and "not storage-bound" in text
+    assert bench.ratio_per_cap([pr, _phase("dualpath")]) is None  # one cap: the ratio is it
+
+
+def test_recalibration_sets_the_phase_cap_from_a_fresh_timing_and_the_measured_scale() -> None:
+    cfg = with_overrides(local_default(), model=tiny_model(16))
+    tr = Trajectory("a", [Turn(8, 2)] * 4, first_tokens=64)
+    args = _args("--read-to-compute", "4")
+    pcfg, cal = bench_run.recalibrate(args, cfg, [tr], compute_scale=3.0, label="3/4 dualpath")
+    assert cal.compute_scale == 3.0 and pcfg.spec.storage.snic_gbps == cal.snic_gbps
+    read_s = cal.hit_bytes / (cal.snic_gbps * 1e9 / 8)
+    assert read_s == pytest.approx(4.0 * 3.0 * cal.prefill_s, rel=0.01)
+    assert _args().recalibrate and not _args("--no-recalibrate").recalibrate
+
+
+def test_the_json_carries_each_phases_verdict_and_cap() -> None:
+    args = _args()
+    args.warmup_turns, args.budget_s = 1, None
+    pr = _phase("prefill-read", verdict={"bound": "storage"}, snic_gbps=1.0)
+    dp = _phase("dualpath", verdict={"bound": "compute"}, snic_gbps=0.5, tokens_per_s=1500.0)
+    doc = bench_run.result_doc(
+        args, local_default(), None, TraceSpec(), [pr, dp], {}, {}, 0.0, None
+    )
+    doc = json.loads(json.dumps(doc))
+    assert doc["bound"] == {"prefill-read": "storage", "dualpath": "compute"}
+    assert doc["ratio_per_snic_cap"] == 3.0
+    assert doc["policies"]["dualpath"]["snic_gbps"] == 0.5
