@@ -244,6 +244,14 @@ def run(args: argparse.Namespace) -> int:
                 if left:
                     cut["agents_not_warmed"] = [t.agent_id for t in left]
                     trajectories = [t for t in trajectories if t.agent_id in seed_run.warmed]
+                if not trajectories:  # nothing to compare: an error, never an empty success
+                    print(
+                        f"error: no agent's warm-up ended within the warm-up's share of the "
+                        f"budget ({budget.WARMUP_SHARE:.0%} of --budget-s {args.budget_s:g}); "
+                        "raise --budget-s",
+                        file=sys.stderr,
+                    )
+                    return 1
                 start_s = seed_run.start_s
             if end_s is not None and calibration is not None:
                 trajectories = fit_budget(
