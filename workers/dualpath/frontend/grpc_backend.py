@@ -171,6 +171,7 @@ class GrpcBackend:
         chunk), also when the client goes away."""
         assert self._sched is not None, "GrpcBackend.start() was not awaited"
         done: list[int] = []  # the tokens already given to the caller
+        keys_for, keys = -1, b""  # the block keys of the prompt with len(done) tokens joined
         routed_sent = False
         exclude: list[str] = []
         first_error = ""
@@ -182,7 +183,11 @@ class GrpcBackend:
             if cur is None:  # the node failed after the last token but before saying so
                 yield Finished("length", 0)
                 return
-            keys = pack_keys(block_keys(block_ids(cur.prompt_ids, self.model, salt=cur.cache_salt)))
+            if keys_for != len(done):  # the prompt's block keys, hashed again only when it grew
+                keys_for = len(done)
+                keys = pack_keys(
+                    block_keys(block_ids(cur.prompt_ids, self.model, salt=cur.cache_salt))
+                )
             try:
                 route = await self._route(cur, rid, keys, exclude)
             except asyncio.CancelledError:
