@@ -104,11 +104,46 @@ def _forward(w: WorkerSide, caches, plan, kv_of_tokens=None) -> None:  # noqa: A
     w.wait_for_save()
 
 
-def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path: Path) -> None:
+def _received(w: WorkerSide, req_id: str, timeout_s: float = 10.0) -> None:
+    """What vLLM does while a request is parked: a step each poll until the worker reports it."""
+    deadline = time.monotonic() + timeout_s
+    while req_id not in w.finished_receiving():
+        assert time.monotonic() < deadline, f"{req_id} never reported received"
+        time.sleep(0.005)
+
+
+def _load_and_compute(sched, worker, caches, req, table, hit, computed, scheduled) -> StepPlan:  # noqa: ANN001
+    """One hit's load as vLLM drives it, both `store_load` modes: parked (async: the load is
+    planned at allocation and reported received before the request's forward) or inside the
+    request's forward (layerwise). Returns the forward's plan."""
+    sched.update_state_after_alloc(req, table, hit)
+    if sched.async_store_loads:
+        parked = sched.build(_idle_step())
+        (load,) = parked.async_loads
+        assert not parked.loads
+        _forward(worker, caches, parked)  # a step of other requests: the read runs meanwhile
+        _received(worker, req.request_id)
+    plan = sched.build(_step(req.request_id, req.all_token_ids, table, computed, scheduled))
+    assert len(plan.loads) == (0 if sched.async_store_loads else 1)
+    _forward(worker, caches, plan)
+    return plan
+
+
+def _idle_step() -> SimpleNamespace:
+    cached = SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={}
+    )
+
+
+@pytest.mark.parametrize("parked", [True, False], ids=["async", "layerwise"])
+def test_a_turn_saves_its_blocks_and_the_next_loads_them(tmp_path: Path, parked: bool) -> None:
     cfg = _cfg(tmp_path)
     m = cfg.spec.model
     ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
-    sched = SchedulerSide(VB, SB, ids)
+    sched = SchedulerSide(VB, SB, ids, async_store_loads=parked)
     worker, caches = _worker(tmp_path, cfg)
     tokens = [5 + i % 300 for i in range(300)]
     gen = torch.Generator().manual_seed(1)
@@ -130,14 +165,20 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path
     # turn 2: the route says 4 store blocks hit; vLLM loads 2 whole vLLM blocks into [9, 4, ...]
     t2 = tokens + [7] * 100
     r2 = _request("r2", t2, Route(256, "decode"))
-    assert sched.get_num_new_matched_tokens(r2, 0) == (256, False)
-    sched.update_state_after_alloc(r2, [9, 4, 11, 12], 256)
-    plan = sched.build(_step("r2", t2, [9, 4, 11, 12], 256, 144))
-    (load,) = plan.loads
-    assert load.path == "decode" and load.block_ids == ids(t2, b"")[:4]
+    assert sched.get_num_new_matched_tokens(r2, 0) == (256, parked)
     for t in caches.values():
         t.zero_()
-    _forward(worker, caches, plan)
+    sched.update_state_after_alloc(r2, [9, 4, 11, 12], 256)
+    loads = sched.build(_idle_step() if parked else _step("r2", t2, [9, 4, 11, 12], 256, 144))
+    (load,) = loads.async_loads if parked else loads.loads
+    assert load.path == "decode" and load.block_ids == ids(t2, b"")[:4]
+    _forward(worker, caches, loads)
+    if parked:  # reported received; its forward then loads nothing
+        _received(worker, "r2")
+        plan = sched.build(_step("r2", t2, [9, 4, 11, 12], 256, 144))
+        assert not plan.loads and not plan.async_loads
+        _forward(worker, caches, plan)
+        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # loaded once only
     got = torch.tensor([9 * VB + i for i in range(128)] + [4 * VB + i for i in range(128)])
     for layer, t in caches.items():
         k, v = cache.read_tokens(t, got)
@@ -146,12 +187,15 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them_layer_by_layer(tmp_path
     worker.shutdown()
 
 
+@pytest.mark.parametrize("parked", [True, False], ids=["async", "layerwise"])
 def test_a_corrupt_block_ends_the_hit_and_names_the_vllm_blocks_to_recompute(
-    tmp_path: Path,
+    tmp_path: Path, parked: bool
 ) -> None:
     cfg = _cfg(tmp_path)
     m = cfg.spec.model
-    sched = SchedulerSide(VB, SB, lambda t, salt: block_ids(t, m, salt=salt))
+    sched = SchedulerSide(
+        VB, SB, lambda t, salt: block_ids(t, m, salt=salt), async_store_loads=parked
+    )
     worker, caches = _worker(tmp_path, cfg)
     tokens = [9 + i % 200 for i in range(400)]
     r1 = _request("r1", tokens)
@@ -164,10 +208,8 @@ def test_a_corrupt_block_ends_the_hit_and_names_the_vllm_blocks_to_recompute(
         f.seek(third.stat().st_size // 2)
         f.write(os.urandom(64))
     r2 = _request("r2", tokens, Route(384, "prefill"))
-    assert sched.get_num_new_matched_tokens(r2, 0) == (384, False)
-    sched.update_state_after_alloc(r2, [5, 6, 7, 8], 384)
-    plan = sched.build(_step("r2", tokens, [5, 6, 7, 8], 384, 16))
-    _forward(worker, caches, plan)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (384, parked)
+    _load_and_compute(sched, worker, caches, r2, [5, 6, 7, 8], 384, 384, 16)
     # a checksum failure in a layer drops the whole hit: every loaded vLLM block is recomputed
     assert worker.take_load_errors() == {5, 6, 7}
     worker.shutdown()

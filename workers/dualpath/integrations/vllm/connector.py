@@ -13,9 +13,11 @@ engine-core process, the worker half (`worker_side.WorkerSide`) in each worker p
 class only hands vLLM's hooks to them. `kv_connector_extra_config` is
 `connector_config.ConnectorConfig` (the adapter writes it with the same class).
 
-A receiver's request (decode) is loaded asynchronously (`get_num_new_matched_tokens` answers
+A receiver's request (decode), and by default (`store_load` async) any request whose hit is
+read from the store, is loaded asynchronously (`get_num_new_matched_tokens` answers
 `(n, True)`: vLLM parks it in WAITING_FOR_REMOTE_KVS) and reported received by
-`get_transfer_results` (its NIXL notification, or its deadline), failed blocks by
+`get_transfer_results` (its NIXL notification, or its deadline; a store read, its last
+layer), failed blocks by
 `get_block_ids_with_load_errors` (docs/vllm.md, "The NIXL flow").
 """
 
@@ -98,6 +100,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 self.vllm_block,
                 model.block_tokens,
                 lambda tokens, salt: block_ids(tokens, model, salt=salt),
+                async_store_loads=cc.store_load == "async",
             )
         else:
             self._worker = WorkerSide(self.cfg, cc)

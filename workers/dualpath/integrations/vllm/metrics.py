@@ -52,7 +52,8 @@ TRANSFER_FAILURES = Counter(
 )
 # where a vLLM instance's time goes (the bench's per-phase breakdown): its forwards' wall time
 # (start_load_kv to the end of wait_for_save), of it the time blocked on hit KV and on saves
-# and sends; and, on a decode instance, the time its receivers spent reading hits (path D)
+# and sends; and the time spent reading hits off the forward thread (a decode's receivers on
+# path D; any instance's parked store loads, `store_load` async)
 FORWARD_SECONDS = Counter(
     "dualpath_vllm_forward_seconds_total",
     "wall time of vLLM's forwards (the connector's start_load_kv to the end of wait_for_save)",
@@ -68,6 +69,7 @@ SAVE_WAIT_SECONDS = Counter(
 )
 HIT_READ_SECONDS = Counter(
     "dualpath_vllm_hit_read_seconds_total",
-    "time a decode instance's receivers spent reading their hits from the store (path D, off "
-    "the forward thread, streamed to the prefill layer by layer)",
+    "time spent reading hits from the store off the forward thread, summed over the reads "
+    "(a decode instance's receivers on path D, streamed to the prefill layer by layer; the "
+    "parked requests of store_load async)",
 )

@@ -235,6 +235,9 @@ class SavePlan:
 @dataclass
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
+    # store reads of requests vLLM parked (`store_load` async): read off the forward thread,
+    # each reported received (`get_transfer_results`) when its last layer is in the cache
+    async_loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     recvs: list[RecvPlan] = field(default_factory=list)
     sends: list[SendPlan] = field(default_factory=list)

@@ -1,10 +1,13 @@
 """The connector's worker half (runs in vLLM's worker process, next to the paged KV cache).
 
 Loads: each planned hit is submitted to the node's read queue (`kv.ReadQueue`: the store's
-block format and checksums, the SNIC cap, bounded waits) when the forward starts
-(`start_load_kv`); `wait_for_layer_load(layer)` blocks only on that layer's read and copies it
-into vLLM's cache, so layer l+1 is read while layer l computes. A bad or missing block ends the
-hit there: the vLLM blocks from the first one not loaded are reported
+block format and checksums, the SNIC cap, bounded waits). By default (`store_load` async) the
+request is parked by vLLM and its hit read on a thread of its own, layer by layer into its
+blocks, and reported received when the last layer is in (`get_transfer_results`): the forward
+thread computes other requests meanwhile. With `store_load` layerwise the read starts when the
+request's forward starts (`start_load_kv`) and `wait_for_layer_load(layer)` blocks only on that
+layer's read and copies it into vLLM's cache, so layer l+1 is read while layer l computes. A
+bad or missing block ends the hit there: the vLLM blocks from the first one not loaded are reported
 (`get_block_ids_with_load_errors`) and vLLM recomputes them (kv_load_failure_policy
 "recompute"), never a wrong answer.
 Saves: `save_kv_layer` copies the step's completed store blocks out of the cache, layer by
@@ -41,6 +44,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +105,15 @@ class _Recv:
 
 
 @dataclass
+class _Parked:
+    """A request vLLM parked while its hit is read from the store (`store_load` async)."""
+
+    plan: LoadPlan
+    tokens: int = 0  # tokens of [start, end) read into every layer, once `done`
+    done: bool = False
+
+
+@dataclass
 class _Send:
     plan: SendPlan
     writes: list = field(default_factory=list)  # NIXL WRITE handles, one per layer posted
@@ -145,6 +158,7 @@ class WorkerSide:
         self._rendezvous: RendezvousServer | None = None
         self._cond = threading.Condition()  # guards _recvs (the rendezvous threads read it)
         self._recvs: dict[str, _Recv] = {}
+        self._parked: dict[str, _Parked] = {}  # vLLM request id -> its store read
         self._sends: list[_Send] = []
         self._send_plan: StepPlan | None = None
         self._sent: OrderedDict[str, None] = OrderedDict()
@@ -263,6 +277,8 @@ class WorkerSide:
         self._forward_t0 = time.perf_counter()
         for r in plan.recvs:
             self._start_recv(r)
+        for p in plan.async_loads:
+            self._start_parked(p)
         self._loads = []
         self._failed_loads = set()
         self._load_plan = plan
@@ -453,12 +469,30 @@ class WorkerSide:
     def _read_own_hit(self, rv: _Recv) -> None:
         """Path D: read the hit through this node's read queue into the request's blocks,
         publishing each layer in its progress word (the sender reads layer l meanwhile)."""
+        p = rv.plan.hit
+        metrics.LOADS.labels(path=p.path).inc()
+
+        def publish(layer: int, tokens: int) -> None:
+            if rv.slot is not None:
+                self.agent.set_progress(rv.slot, layer + 1, tokens)
+
+        n = self._read_hit(p, publish)
+        self._count_hit(p, n)
+        if rv.slot is not None:  # the sender stops waiting: every layer, n tokens
+            self.agent.set_progress(rv.slot, len(self._caches), n)
+        with self._cond:
+            rv.reading = False
+        self._set_ready(rv, n)
+
+    def _read_hit(self, p: LoadPlan, on_layer: Callable[[int, int], None] | None = None) -> int:
+        """Read `p`'s store blocks through this node's read queue into its slots, layer by
+        layer, off the forward thread (only the blocks of a request vLLM holds parked);
+        `on_layer(layer, tokens)` after each layer. Returns the tokens of [start, end) in every
+        layer: fewer than planned where a block was bad or missing (whole vLLM blocks; a
+        layer that fails its checksum ends the whole hit)."""
         from dualpath.kv.queue import KVLoadError
 
-        p = rv.plan.hit
-        layers = len(self._caches)
-        n, vb = p.end, self._caches[0].shape[2]
-        metrics.LOADS.labels(path="decode").inc()
+        n, vb = p.end - p.start, self._caches[0].shape[2]
         t0 = time.perf_counter()
         handle = None
         try:
@@ -473,25 +507,59 @@ class WorkerSide:
                 n = min(n, k.shape[0] // vb * vb)
                 if n:
                     cache.write_tokens(self._caches[layer], slots[:n], k[:n], v[:n])
-                if rv.slot is not None:
-                    self.agent.set_progress(rv.slot, layer + 1, n)
-        except Exception as err:  # noqa: BLE001 (the receiver must become ready: no hit)
+                if on_layer is not None:
+                    on_layer(layer, n)
+        except Exception as err:  # noqa: BLE001 (the request must go on: no hit, recomputed)
             log.warning("request %s: hit read failed: %s", p.req_id, err)
             n = 0
         finally:
             if handle is not None:
                 handle.close()
-        if n < p.end:
-            metrics.LOAD_FAILURES.labels(path="decode").inc()
-            log.warning("request %s: own hit ends at token %d of %d", p.req_id, n, p.end)
-        metrics.HIT_READ_SECONDS.inc(time.perf_counter() - t0)
-        metrics.HIT_TOKENS.labels(path="decode").inc(n)
-        metrics.HIT_BYTES.labels(path="decode").inc(n * self.cfg.spec.model.kv_bytes_per_token)
-        if rv.slot is not None:  # the sender stops waiting: every layer, n tokens
-            self.agent.set_progress(rv.slot, layers, n)
+            metrics.HIT_READ_SECONDS.inc(time.perf_counter() - t0)
+        return n
+
+    def _count_hit(self, p: LoadPlan, tokens: int) -> None:
+        if tokens < p.end - p.start:
+            metrics.LOAD_FAILURES.labels(path=p.path).inc()
+            log.warning(
+                "request %s: hit ends at token %d of %d (path %s)",
+                p.req_id,
+                p.start + tokens,
+                p.end,
+                p.path,
+            )
+        metrics.HIT_TOKENS.labels(path=p.path).inc(tokens)
+        metrics.HIT_BYTES.labels(path=p.path).inc(tokens * self.cfg.spec.model.kv_bytes_per_token)
+
+    # ---- parked store loads (`store_load` async) ---------------------------------------
+
+    def _start_parked(self, p: LoadPlan) -> None:
+        pk = _Parked(p)
         with self._cond:
-            rv.reading = False
-        self._set_ready(rv, n)
+            self._parked[p.req_id] = pk
+        metrics.LOADS.labels(path=p.path).inc()
+        threading.Thread(
+            target=self._read_parked, args=(pk,), name="dualpath-load", daemon=True
+        ).start()
+
+    def _read_parked(self, pk: _Parked) -> None:
+        n = self._read_hit(pk.plan)
+        with self._cond:
+            pk.tokens, pk.done = n, True
+
+    def _finished_parked(self) -> set[str]:
+        """The parked loads whose read ended: received, the blocks past what was read as load
+        errors (vLLM recomputes them)."""
+        with self._cond:
+            done = [self._parked.pop(r) for r, pk in list(self._parked.items()) if pk.done]
+        vb = self._caches[0].shape[2] if self._caches else 1
+        for pk in done:
+            p = pk.plan
+            self._count_hit(p, pk.tokens)
+            self._load_errors |= blocks.failed_vllm_blocks(
+                p.block_table, p.start + pk.tokens, p.end, vb
+            )
+        return {pk.plan.req_id for pk in done}
 
     def _set_ready(self, rv: _Recv, hit_tokens: int) -> None:
         with self._cond:
@@ -540,11 +608,11 @@ class WorkerSide:
     def finished_receiving(self) -> set[str]:
         """vLLM request ids received this step: their notification came, or their deadline
         passed (then the blocks past their own hit are load errors: vLLM recomputes them)."""
+        done = self._finished_parked()
         with self._cond:
             if not self._recvs and not self._arrived:
-                return set()
+                return done
             arrived, self._arrived = self._arrived, []
-        done = set()
         vb = self._caches[0].shape[2] if self._caches else 1
         for msg in arrived:
             xfer_id = msg.decode(errors="replace")
