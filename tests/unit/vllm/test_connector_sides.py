@@ -117,14 +117,14 @@ def _load_and_compute(sched, worker, caches, req, table, hit, computed, schedule
     planned at allocation and reported received before the request's forward) or inside the
     request's forward (layerwise). Returns the forward's plan."""
     sched.update_state_after_alloc(req, table, hit)
-    if sched.async_store_loads:
+    if sched.async_loads:
         parked = sched.build(_idle_step())
         (load,) = parked.async_loads
         assert not parked.loads
         _forward(worker, caches, parked)  # a step of other requests: the read runs meanwhile
         _received(worker, req.request_id)
     plan = sched.build(_step(req.request_id, req.all_token_ids, table, computed, scheduled))
-    assert len(plan.loads) == (0 if sched.async_store_loads else 1)
+    assert len(plan.loads) == (0 if sched.async_loads else 1)
     _forward(worker, caches, plan)
     return plan
 
@@ -143,7 +143,7 @@ def test_a_turn_saves_its_blocks_and_the_next_loads_them(tmp_path: Path, parked:
     cfg = _cfg(tmp_path)
     m = cfg.spec.model
     ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
-    sched = SchedulerSide(VB, SB, ids, async_store_loads=parked)
+    sched = SchedulerSide(VB, SB, ids, async_loads=parked)
     worker, caches = _worker(tmp_path, cfg)
     tokens = [5 + i % 300 for i in range(300)]
     gen = torch.Generator().manual_seed(1)
@@ -193,9 +193,7 @@ def test_a_corrupt_block_ends_the_hit_and_names_the_vllm_blocks_to_recompute(
 ) -> None:
     cfg = _cfg(tmp_path)
     m = cfg.spec.model
-    sched = SchedulerSide(
-        VB, SB, lambda t, salt: block_ids(t, m, salt=salt), async_store_loads=parked
-    )
+    sched = SchedulerSide(VB, SB, lambda t, salt: block_ids(t, m, salt=salt), async_loads=parked)
     worker, caches = _worker(tmp_path, cfg)
     tokens = [9 + i % 200 for i in range(400)]
     r1 = _request("r1", tokens)
@@ -277,7 +275,7 @@ def test_the_receiver_takes_all_but_the_last_token_once_and_plans_its_own_hit() 
 
 
 def test_the_sender_reads_the_hit_from_the_decode_and_sends_only_what_it_lacks() -> None:
-    sched = SchedulerSide(VB, SB, lambda t, salt: [])
+    sched = SchedulerSide(VB, SB, lambda t, salt: [], async_loads=False)
     tokens = list(range(400))
     target = KvTarget("d", b"m", (1, 2), 64, (20, 21, 22, 23))
     r = _request("p", tokens, Route(256, "decode", xfer_id="x", deadline_unix=9.0, send_to=target))
@@ -317,17 +315,25 @@ def _tokens_kv(cache_t: torch.Tensor, table: list[int], start: int, end: int):  
     return cache.read_tokens(cache_t, torch.tensor(blocks.slots(table, start, end, VB)))
 
 
-def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parked", [True, False], ids=["async", "layerwise"])
+def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(
+    tmp_path: Path, parked: bool
+) -> None:
     cfg = _cfg(tmp_path)
-    decode, dcaches, prefill, pcaches, tokens, kv, scheds = _path_d_pair(tmp_path, cfg, "t/1")
+    decode, dcaches, prefill, pcaches, tokens, kv, scheds = _path_d_pair(
+        tmp_path, cfg, "t/1", parked
+    )
     # the decode answers at once (its hit streams while it is read); the prefill streams the
     # hit from the decode layer by layer, computes the rest, sends it
     plan, ready = _path_d_sender_plan(decode, scheds, tokens, "t/1")
     assert ready.hit_tokens == 256 and ready.target.block_ids == (1, 2, 3, 4)
     assert ready.target.progress_address
     new_slots = torch.tensor(blocks.slots([5, 6, 7, 8], 256, 400, VB))
-    _forward(prefill, pcaches, plan,
-             lambda layer: (new_slots, kv[layer][0][256:], kv[layer][1][256:]))  # fmt: skip
+    compute = lambda layer: (new_slots, kv[layer][0][256:], kv[layer][1][256:])  # noqa: E731
+    if parked:
+        _computed_after_parked(prefill, pcaches, scheds[1], tokens, plan, compute)
+    else:
+        _forward(prefill, pcaches, plan, compute)
     assert prefill.take_load_errors() == set()
     for layer, t in pcaches.items():  # the hit came from the decode's cache
         assert torch.equal(_tokens_kv(t, [5, 6], 0, 256)[1], kv[layer][1][:256])
@@ -373,7 +379,7 @@ def test_a_failed_hit_read_recomputes_the_hit_and_sends_nothing_that_step(tmp_pa
         "decode-0-vllm-1", b"not NIXL metadata", tuple(range(1 << 20, (m.layers + 1) << 20, 1 << 20)),
         prefill.agent.block_bytes, (1, 2, 3, 4),
     )  # fmt: skip
-    sched = SchedulerSide(VB, SB, lambda t, salt: [])
+    sched = SchedulerSide(VB, SB, lambda t, salt: [], async_loads=False)
     tokens = list(range(400))
     route = Route(256, "decode", xfer_id="t/2", deadline_unix=time.time() + 60, send_to=target)
     r = _request("rp", tokens, route)
@@ -462,10 +468,11 @@ def test_path_d_waits_for_layer_l_only_while_later_layers_are_still_read(tmp_pat
     prefill.shutdown()
 
 
-def _path_d_pair(tmp: Path, cfg, xfer_id: str):  # noqa: ANN001, ANN202
+def _path_d_pair(tmp: Path, cfg, xfer_id: str, parked: bool = False):  # noqa: ANN001, ANN202
     """A decode whose store holds tokens [0, 256) of `tokens` (an earlier turn saved them)
     and whose scheduler half parked the turn as receiver `xfer_id` (path D, hit 256, its
-    blocks 1..4); a prefill; both scheduler halves (decode, prefill)."""
+    blocks 1..4); a prefill (`parked`: its hit loads while vLLM parks the request, else inside
+    its forward, layer by layer); both scheduler halves (decode, prefill)."""
     m = cfg.spec.model
     ids = lambda t, salt: block_ids(t, m, salt=salt)  # noqa: E731
     decode, dcaches = _named_worker(tmp, cfg, "decode-0")
@@ -487,20 +494,99 @@ def _path_d_pair(tmp: Path, cfg, xfer_id: str):  # noqa: ANN001, ANN202
                                       deadline_unix=time.time() + 120))  # fmt: skip
     assert dsched.get_num_new_matched_tokens(rd, 0) == (399, True)
     dsched.update_state_after_alloc(rd, [1, 2, 3, 4], 399)
-    return decode, dcaches, prefill, pcaches, tokens, kv, (dsched, SchedulerSide(VB, SB, ids))
+    psched = SchedulerSide(VB, SB, ids, async_loads=parked)
+    return decode, dcaches, prefill, pcaches, tokens, kv, (dsched, psched)
 
 
 def _path_d_sender_plan(decode: WorkerSide, scheds, tokens: list[int], xfer_id: str):  # noqa: ANN001, ANN202
     """The decode starts its receiver (its store read runs) and answers the rendezvous; the
-    prefill's first step, and the answer."""
+    prefill's first step (parked: the step that starts its hit's load), and the answer."""
     dsched, psched = scheds
     decode.start_load(dsched.build(_empty_step()))
     ready = decode.wait_ready(xfer_id, 60)
     rp = _request("rp", tokens, Route(ready.hit_tokens, "decode", xfer_id=xfer_id,
                                       deadline_unix=time.time() + 120, send_to=ready.target))  # fmt: skip
-    psched.get_num_new_matched_tokens(rp, 0)
+    assert psched.get_num_new_matched_tokens(rp, 0) == (256, psched.async_loads)
     psched.update_state_after_alloc(rp, [5, 6, 7, 8], 256)
+    if psched.async_loads:
+        plan = psched.build(_idle_step())
+        assert [p.req_id for p in plan.async_loads] == ["rp"] and not plan.loads
+        return plan, ready
     return psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144)), ready
+
+
+def _computed_after_parked(prefill: WorkerSide, pcaches, psched, tokens, parked_plan, kv_of=None):  # noqa: ANN001, ANN202
+    """A parked prefill request: the step that starts its load, the steps until it is reported
+    received, then the step that computes the rest of its prompt (and sends it)."""
+    _forward(prefill, pcaches, parked_plan)
+    _received(prefill, "rp", timeout_s=60)
+    plan = psched.build(_step("rp", tokens, [5, 6, 7, 8], 256, 144))
+    assert not plan.loads and not plan.async_loads and plan.sends
+    _forward(prefill, pcaches, plan, kv_of)
+    return plan
+
+
+def test_a_parked_hit_the_decode_could_not_read_is_recomputed_then_sent(tmp_path: Path) -> None:
+    """Parked: every store block is corrupt, the decode's read of its hit fails, the prefill
+    reports the request received with its hit's blocks as load errors (vLLM recomputes them
+    in the step that computes the prompt), and that step sends what the decode lacks; the
+    decode, whose own hit ended at 0, recomputes the blocks it was not sent."""
+    cfg = _cfg(tmp_path)
+    decode, _, prefill, pcaches, tokens, _, scheds = _path_d_pair(tmp_path, cfg, "t/5", True)
+    for p in (tmp_path / "kv" / "blocks").rglob("*"):
+        if p.is_file():
+            with open(p, "r+b") as f:
+                f.seek(p.stat().st_size // 2)
+                f.write(os.urandom(64))
+    plan, _ = _path_d_sender_plan(decode, scheds, tokens, "t/5")
+    _forward(prefill, pcaches, plan)
+    _received(prefill, "rp", timeout_s=60)
+    assert prefill.take_load_errors() == {5, 6}
+    step = scheds[1].build(_step("rp", tokens, [5, 6, 7, 8], 0, 400))  # the recompute
+    _forward(prefill, pcaches, step)
+    assert "t/5" in prefill._sent
+    got: set[str] = set()
+    for _ in range(2000):  # bounded polls, not a timing assertion
+        got |= decode.finished_receiving()
+        if got:
+            break
+        time.sleep(0.005)
+    assert got == {"rd"} and decode.take_load_errors() == {1, 2, 3, 4}
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def test_a_parked_path_d_read_takes_each_layer_as_the_decode_reads_it(tmp_path: Path) -> None:
+    """The pipeline storage -> decode -> prefill with the request parked: each step's poll
+    READs the layers the decode has read so far, so layer 0 is in the prefill's cache while
+    the decode's store read of layer 1 is still held; reported received once all are in."""
+    cfg = _cfg(tmp_path)
+    m = cfg.spec.model
+    decode, _, prefill, pcaches, tokens, kv, scheds = _path_d_pair(tmp_path, cfg, "t/6", True)
+    gated = _GatedReads(decode.read_queue, m.layers)
+    plan, _ = _path_d_sender_plan(decode, scheds, tokens, "t/6")
+    _forward(prefill, pcaches, plan)
+    received: set[str] = set()
+
+    def layer_in(layer: int) -> bool:
+        return torch.equal(_tokens_kv(pcaches[layer], [5, 6], 0, 256)[0], kv[layer][0][:256])
+
+    for layer in range(m.layers):
+        for _ in range(6000):  # the steps of a parked request: bounded polls
+            received |= prefill.finished_receiving()
+            if layer_in(layer):
+                break
+            time.sleep(0.01)
+        assert layer_in(layer), f"layer {layer} never reached the prefill"
+        assert not any(g.is_set() for g in gated.gates[layer + 1 :])  # still held at the decode
+        if layer + 1 < m.layers:
+            assert "rp" not in received  # not every layer is in yet
+            gated.gates[layer + 1].set()
+    if "rp" not in received:
+        _received(prefill, "rp", timeout_s=60)
+    assert prefill.take_load_errors() == set()
+    decode.shutdown()
+    prefill.shutdown()
 
 
 def test_a_hit_the_decode_could_not_read_is_recomputed_and_sent_in_the_next_step(

@@ -13,11 +13,10 @@ engine-core process, the worker half (`worker_side.WorkerSide`) in each worker p
 class only hands vLLM's hooks to them. `kv_connector_extra_config` is
 `connector_config.ConnectorConfig` (the adapter writes it with the same class).
 
-A receiver's request (decode), and by default (`store_load` async) any request whose hit is
-read from the store, is loaded asynchronously (`get_num_new_matched_tokens` answers
-`(n, True)`: vLLM parks it in WAITING_FOR_REMOTE_KVS) and reported received by
-`get_transfer_results` (its NIXL notification, or its deadline; a store read, its last
-layer), failed blocks by
+A receiver's request (decode), and by default (`hit_load` async) any request with a hit, is
+loaded asynchronously (`get_num_new_matched_tokens` answers `(n, True)`: vLLM parks it in
+WAITING_FOR_REMOTE_KVS) and reported received by `get_transfer_results` (its NIXL
+notification, or its deadline; a hit, its last layer in the cache), failed blocks by
 `get_block_ids_with_load_errors` (docs/vllm.md, "The NIXL flow").
 """
 
@@ -100,7 +99,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 self.vllm_block,
                 model.block_tokens,
                 lambda tokens, salt: block_ids(tokens, model, salt=salt),
-                async_store_loads=cc.store_load == "async",
+                async_loads=cc.hit_load == "async",
             )
         else:
             self._worker = WorkerSide(self.cfg, cc)

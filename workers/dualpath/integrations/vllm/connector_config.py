@@ -6,11 +6,12 @@ default), `storage` the KV directory (empty: spec.storage.path), `node_id` the r
 the KV event publisher's name, `scheduler` host:port (empty: no KV events), `token_file` /
 `tls_dir` how the connector authenticates to the scheduler, and `rendezvous_port` the loopback
 port its worker half answers the adapter's "is request X ready to receive, and where" on
-(0: not served; `rendezvous.py`). `store_load` is how a hit read from the store reaches vLLM's
-cache: `async` (default) reads it off the forward thread while vLLM parks the request, so one
-request's read overlaps the other requests' compute; `layerwise` reads it inside the request's
-own forward, layer l+1 read while layer l computes (the lower TTFT on an idle instance, but
-vLLM's forward then blocks on the batch's reads: load + compute across requests).
+(0: not served; `rendezvous.py`). `hit_load` is how a request's hit reaches vLLM's cache, from
+the store or (path D on a prefill instance) streamed from the decode's cache: `async` (default)
+moves it while vLLM parks the request, so one request's hit overlaps the other requests'
+compute; `layerwise` moves it inside the request's own forward, layer l+1 while layer l
+computes (the lower TTFT on an idle instance, but vLLM's forward then blocks on its batch's
+hits: load + compute, one after the other, across requests).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-STORE_LOADS = ("async", "layerwise")
+HIT_LOADS = ("async", "layerwise")
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ConnectorConfig:
     token_file: str = ""
     tls_dir: str = ""
     rendezvous_port: int = 0
-    store_load: str = "async"
+    hit_load: str = "async"
 
     def to_extra_config(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,10 +51,10 @@ class ConnectorConfig:
         out = {k: str(v or "") for k, v in extra.items() if k != "rendezvous_port"}
         if not out.get("node_id"):
             out["node_id"] = "vllm"
-        out["store_load"] = out.get("store_load") or "async"
-        if out["store_load"] not in STORE_LOADS:
+        out["hit_load"] = out.get("hit_load") or "async"
+        if out["hit_load"] not in HIT_LOADS:
             raise ValueError(
-                f"kv_connector_extra_config.store_load must be one of {STORE_LOADS}, got "
-                f"{out['store_load']!r}"
+                f"kv_connector_extra_config.hit_load must be one of {HIT_LOADS}, got "
+                f"{out['hit_load']!r}"
             )
         return cls(**out, rendezvous_port=port)

@@ -53,7 +53,7 @@ TRANSFER_FAILURES = Counter(
 # where a vLLM instance's time goes (the bench's per-phase breakdown): its forwards' wall time
 # (start_load_kv to the end of wait_for_save), of it the time blocked on hit KV and on saves
 # and sends; and the time spent reading hits off the forward thread (a decode's receivers on
-# path D; any instance's parked store loads, `store_load` async)
+# path D; any instance's parked store loads, `hit_load` async)
 FORWARD_SECONDS = Counter(
     "dualpath_vllm_forward_seconds_total",
     "wall time of vLLM's forwards (the connector's start_load_kv to the end of wait_for_save)",
@@ -71,5 +71,5 @@ HIT_READ_SECONDS = Counter(
     "dualpath_vllm_hit_read_seconds_total",
     "time spent reading hits from the store off the forward thread, summed over the reads "
     "(a decode instance's receivers on path D, streamed to the prefill layer by layer; the "
-    "parked requests of store_load async)",
+    "parked requests of hit_load async)",
 )

@@ -187,6 +187,19 @@ class KvAgent:
             if not ok:
                 log.debug("%s: handle released after a failure", what)
 
+    def done(self, handle, deadline_unix: float, what: str) -> bool:  # noqa: ANN001
+        """Whether `handle` is DONE, never blocking (a parked request's reads, polled each
+        step); released once done; TransferError past the deadline or on an error state."""
+        state = self.agent.check_xfer_state(handle)
+        if state == "PROC" and time.time() <= deadline_unix:
+            return False
+        self.release(handle)
+        if state == "DONE":
+            return True
+        if state == "PROC":
+            raise TransferError(f"{what} did not complete by its deadline")
+        raise TransferError(f"{what} failed (state {state})")
+
     def notify(self, t: KvTarget, msg: bytes) -> None:
         try:
             self.agent.send_notif(self._peer(t), msg)

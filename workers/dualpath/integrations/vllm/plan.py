@@ -235,7 +235,7 @@ class SavePlan:
 @dataclass
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
-    # store reads of requests vLLM parked (`store_load` async): read off the forward thread,
+    # hits of requests vLLM parked (`hit_load` async): moved while other requests compute,
     # each reported received (`get_transfer_results`) when its last layer is in the cache
     async_loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)

@@ -11,13 +11,12 @@ blocks are allocated; a *sender* (prefill) plans, on path D, its hit as a NIXL r
 decode's blocks, and, in the step that computes the prompt's last token, a `SendPlan` of the
 blocks the decode lacks (path D: from the hit's end; otherwise every prompt block).
 
-A hit read from the store is, by default (`async_store_loads`), loaded asynchronously too:
-vLLM parks the request with its blocks allocated, the worker half reads the hit off the
-forward thread and reports it received, and only then does vLLM schedule its compute. So the
-store read of one request overlaps the compute of the others, instead of each forward waiting
-for its batch's reads (load + compute, one after the other; docs/vllm.md "Measured"). Path D
-on a prefill instance stays layer by layer inside the forward: its hit streams from the
-decode's cache as the decode reads it.
+A hit is, by default (`async_loads`), loaded asynchronously too: vLLM parks the request with
+its blocks allocated, the worker half moves the hit (read from the store; path D on a prefill
+instance, streamed from the decode's cache layer by layer as the decode reads it) and
+reports it received, and only then does vLLM schedule its compute. So one request's hit
+overlaps the compute of the others, instead of each forward waiting for its batch's hits
+(load + compute, one after the other; docs/vllm.md "Measured").
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ class _Request:
     loaded_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     received: bool = False  # receiver: its one receive is planned (a preempted one recomputes)
-    load_planned: bool = False  # its one asynchronous store load is planned (the same)
+    load_planned: bool = False  # its one asynchronous load is planned (the same)
     received_tokens: int = 0
 
 
@@ -63,13 +62,13 @@ class SchedulerSide:
         vllm_block: int,
         store_block: int,
         block_ids: BlockIdsFn,
-        async_store_loads: bool = True,
+        async_loads: bool = True,
     ) -> None:
         blocks.check_block_sizes(vllm_block, store_block)
         self.vllm_block = vllm_block
         self.store_block = store_block
         self.block_ids = block_ids
-        self.async_store_loads = async_store_loads
+        self.async_loads = async_loads
         self._reqs: dict[str, _Request] = {}
         self._recvs: list[RecvPlan] = []  # allocated receivers, for the next step's plan
         self._async_loads: list[LoadPlan] = []  # allocated parked loads, the same
@@ -99,15 +98,11 @@ class SchedulerSide:
         hit = blocks.new_matched_tokens(
             st.route.hit_tokens, request.num_prompt_tokens, num_computed_tokens, self.vllm_block
         )
-        if hit and self._loads_async(st.route):
+        if hit and self.async_loads:
             if st.load_planned:  # loaded (or given up) once: a preempted request recomputes
                 return 0, False
             return hit, True
         return hit, False
-
-    def _loads_async(self, r: Route) -> bool:
-        """A store read, parked (path D between instances streams from the decode instead)."""
-        return self.async_store_loads and not (r.send_to is not None and r.read_path == "decode")
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[int], num_external_tokens: int
@@ -124,7 +119,7 @@ class SchedulerSide:
                 self._recvs.append(self._recv(request.request_id, st, list(block_ids), end))
             return
         st.load = (st.local_computed, end)
-        if self._loads_async(st.route) and not st.load_planned:
+        if self.async_loads and not st.load_planned:
             st.load_planned = True
             st.block_table = list(block_ids)
             self._async_loads.append(self._load(request.request_id, st))

@@ -1,10 +1,10 @@
 """The connector's worker half (runs in vLLM's worker process, next to the paged KV cache).
 
 Loads: each planned hit is submitted to the node's read queue (`kv.ReadQueue`: the store's
-block format and checksums, the SNIC cap, bounded waits). By default (`store_load` async) the
+block format and checksums, the SNIC cap, bounded waits). By default (`hit_load` async) the
 request is parked by vLLM and its hit read on a thread of its own, layer by layer into its
 blocks, and reported received when the last layer is in (`get_transfer_results`): the forward
-thread computes other requests meanwhile. With `store_load` layerwise the read starts when the
+thread computes other requests meanwhile. With `hit_load` layerwise the read starts when the
 request's forward starts (`start_load_kv`) and `wait_for_layer_load(layer)` blocks only on that
 layer's read and copies it into vLLM's cache, so layer l+1 is read while layer l computes. A
 bad or missing block ends the hit there: the vLLM blocks from the first one not loaded are reported
@@ -27,10 +27,14 @@ Between instances (`nixl.KvAgent` over vLLM's own cache, registered at start on 
   id reports the request received; past its deadline (the prefill died, a transfer failed) it
   is reported received with the blocks past its own hit as load errors, and vLLM recomputes
   them (counted; never a hang, never a wrong answer).
-- sender (prefill): path D's hit is READ from the decode's blocks: `wait_for_layer_load(l)`
-  polls the decode's progress word until layer l is in the decode's cache (posting the READ
-  of every layer that is, as it finds them), then waits for layer l's READ only (a failure
-  recomputes the hit, as a bad store block does; a hit the decode ended early is shortened); `save_kv_layer(l)` posts the WRITE of layer l's blocks the
+- sender (prefill): path D's hit is READ from the decode's blocks. Parked (`hit_load` async):
+  each step (`get_transfer_results`, on the forward thread: every NIXL call of a prefill is
+  made there) polls the decode's progress word, posts the READ of every layer the decode has
+  read so far and collects the READs done, never blocking; the request is reported received
+  once every layer is in. Layerwise: `wait_for_layer_load(l)` polls the progress word until
+  layer l is in the decode's cache (posting the READs as it finds them), then waits for layer
+  l's READ only. Either way a failure recomputes the hit, as a bad store block does, and a hit
+  the decode ended early is shortened; `save_kv_layer(l)` posts the WRITE of layer l's blocks the
   decode lacks, and `wait_for_save` waits for them and then notifies the transfer's id. A step
   whose load failed sends nothing (vLLM recomputes and the next step sends); nothing is sent
   past the deadline less `plan.SEND_MARGIN_S`.
@@ -106,7 +110,7 @@ class _Recv:
 
 @dataclass
 class _Parked:
-    """A request vLLM parked while its hit is read from the store (`store_load` async)."""
+    """A request vLLM parked while its hit is read from the store (`hit_load` async)."""
 
     plan: LoadPlan
     tokens: int = 0  # tokens of [start, end) read into every layer, once `done`
@@ -159,6 +163,7 @@ class WorkerSide:
         self._cond = threading.Condition()  # guards _recvs (the rendezvous threads read it)
         self._recvs: dict[str, _Recv] = {}
         self._parked: dict[str, _Parked] = {}  # vLLM request id -> its store read
+        self._parked_reads: dict[str, _Load] = {}  # -> its NIXL read (path D; forward thread)
         self._sends: list[_Send] = []
         self._send_plan: StepPlan | None = None
         self._sent: OrderedDict[str, None] = OrderedDict()
@@ -278,7 +283,10 @@ class WorkerSide:
         for r in plan.recvs:
             self._start_recv(r)
         for p in plan.async_loads:
-            self._start_parked(p)
+            if p.source is not None:
+                self._parked_reads[p.req_id] = self._start_read(p)
+            else:
+                self._start_parked(p)
         self._loads = []
         self._failed_loads = set()
         self._load_plan = plan
@@ -413,16 +421,54 @@ class WorkerSide:
                 len(bad),
             )
 
+    def _read_ended(self, ld: _Load) -> None:
+        for h in ld.reads.values():  # layers not waited for (none normally)
+            self.agent.release(h)
+        ld.reads = {}
+        if not ld.failed:
+            nbytes = len(ld.plan.local_blocks) * self.agent.block_bytes * len(self._caches)
+            metrics.TRANSFER_BYTES.labels(path="decode", direction="decode_to_prefill").inc(nbytes)
+
+    def _advance_read(self, ld: _Load) -> bool:
+        """One step of a parked path-D read, never blocking on the decode: post the READs of
+        the layers its store read has reached, collect the READs done. True once every layer is
+        in the cache (or the hit ended)."""
+        layers = len(self._caches)
+        if ld.posted < layers and ld.loaded_until:
+            if time.time() > ld.xfer_deadline_unix:
+                raise TransferError("the hit was not in the decode's cache by the deadline")
+            got, tokens = self.agent.read_progress(ld.plan.source, ld.xfer_deadline_unix)
+            if tokens < ld.loaded_until:
+                self._shorten(ld, tokens)
+            if ld.loaded_until:
+                self._post_reads(ld, got)
+        what = f"READ from {ld.plan.source.agent}"
+        for layer, h in list(ld.reads.items()):
+            del ld.reads[layer]  # `done` releases it, unless it is still in flight
+            if not self.agent.done(h, ld.xfer_deadline_unix, f"{what}, layer {layer}"):
+                ld.reads[layer] = h
+        return not ld.loaded_until or (ld.posted >= layers and not ld.reads)
+
+    def _finished_reads(self) -> set[str]:
+        """The parked path-D reads that ended this step (a failed one: its blocks are load
+        errors, vLLM recomputes them)."""
+        done = set()
+        for req_id, ld in list(self._parked_reads.items()):
+            try:
+                ended = self._advance_read(ld)
+            except TransferError as err:
+                self._read_failed(ld, err)
+                ended = True
+            if ended:
+                del self._parked_reads[req_id]
+                self._read_ended(ld)
+                done.add(req_id)
+        return done
+
     def finish_loads(self) -> None:
         for ld in self._loads:
             if ld.plan.source is not None:
-                for h in ld.reads.values():  # layers vLLM did not wait for (none normally)
-                    self.agent.release(h)
-                if not ld.failed:
-                    nbytes = len(ld.plan.local_blocks) * self.agent.block_bytes * len(self._caches)
-                    metrics.TRANSFER_BYTES.labels(path="decode", direction="decode_to_prefill").inc(
-                        nbytes
-                    )
+                self._read_ended(ld)
                 continue
             if not ld.failed:
                 tokens = ld.plan.end - ld.plan.start
@@ -531,7 +577,7 @@ class WorkerSide:
         metrics.HIT_TOKENS.labels(path=p.path).inc(tokens)
         metrics.HIT_BYTES.labels(path=p.path).inc(tokens * self.cfg.spec.model.kv_bytes_per_token)
 
-    # ---- parked store loads (`store_load` async) ---------------------------------------
+    # ---- parked loads (`hit_load` async) -----------------------------------------------
 
     def _start_parked(self, p: LoadPlan) -> None:
         pk = _Parked(p)
@@ -608,7 +654,7 @@ class WorkerSide:
     def finished_receiving(self) -> set[str]:
         """vLLM request ids received this step: their notification came, or their deadline
         passed (then the blocks past their own hit are load errors: vLLM recomputes them)."""
-        done = self._finished_parked()
+        done = self._finished_parked() | self._finished_reads()
         with self._cond:
             if not self._recvs and not self._arrived:
                 return done
