@@ -1,5 +1,6 @@
-"""`dualpath bench local`: each policy's phase gets a cap re-calibrated just before it, and is
-judged storage- or compute-bound against the compute it actually got (no cluster, no vLLM)."""
+"""`dualpath bench local`: the SNIC cap against the serving engine's compute (engine vllm: the
+warm-up's probe; or re-calibrated just before each phase), and each phase judged storage- or
+compute-bound against the compute it actually got (no cluster, no vLLM)."""
 
 from __future__ import annotations
 
@@ -135,7 +136,58 @@ def test_recalibration_sets_the_phase_cap_from_a_fresh_timing_and_the_measured_s
     assert cal.compute_scale == 3.0 and pcfg.spec.storage.snic_gbps == cal.snic_gbps
     read_s = cal.hit_bytes / (cal.snic_gbps * 1e9 / 8)
     assert read_s == pytest.approx(4.0 * 3.0 * cal.prefill_s, rel=0.01)
-    assert _args().recalibrate and not _args("--no-recalibrate").recalibrate
+    # default: one cap for every phase (the issue's "same trace and cap"); re-calibrating is
+    # asked for
+    assert not _args().recalibrate and _args("--recalibrate").recalibrate
+
+
+def test_a_cap_scaled_to_the_serving_engines_compute_keeps_the_read_to_compute_ratio() -> None:
+    cal = _cal(0.2)
+    slow = cal.scaled(5.0)  # vLLM computes the median turn 5x slower than the in-process engine
+    assert slow.compute_s == pytest.approx(1.0) and slow.compute_scale == 5.0
+    read_s = slow.hit_bytes / (slow.snic_gbps * 1e9 / 8)
+    assert read_s == pytest.approx(slow.read_to_compute * 1.0)
+    assert (cal.hit_tokens, cal.prefill_s) == (slow.hit_tokens, slow.prefill_s)
+
+
+def test_the_probes_second_turn_has_the_median_turns_shape() -> None:
+    block = local_default().spec.model.block_tokens
+    hit, new = 40 * block, 37
+    trs = bench_run.probe_trajectories(hit, new, gen_tokens=4)
+    assert len(trs) == bench_run.PROBE_AGENTS and len({t.agent_id for t in trs}) == len(trs)
+    for tr in trs:
+        # turn 0 stores `hit` tokens in whole blocks (its prompt is one token more)
+        assert tr.prompt_tokens(0) // block * block == hit
+        # turn 1's prompt: the stored context, its answer and the new tokens
+        assert tr.prompt_tokens(1) - hit == pytest.approx(new, abs=1)
+        assert bench.median_turn([tr], 1, block) == (hit, tr.prompt_tokens(1) - hit)
+
+
+def test_the_replay_sends_the_salt_it_is_given() -> None:
+    import asyncio
+
+    import httpx
+
+    salts: list[object] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        salts.append(json.loads(request.content).get("cache_salt"))
+        final = {"choices": [{"finish_reason": "length"}]}
+        final["dualpath"] = {"token_ids": [7], "read_path": "prefill"}
+        usage = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+        text = f"data: {json.dumps(final)}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, text=text)
+
+    trs = [Trajectory("a", [Turn(4, 1)], first_tokens=8)]
+
+    async def go(salt: str) -> None:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(base_url="http://x", transport=transport) as client:
+            await bench.replay(client, trs, "m", 300, cache_salt=salt)
+
+    asyncio.run(go(bench_run.PROBE_SALT))
+    asyncio.run(go(""))
+    assert salts == [bench_run.PROBE_SALT, None]  # the trace's own turns carry none
 
 
 def test_the_json_carries_each_phases_verdict_and_cap() -> None:

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +86,24 @@ class SnicCalibration:
     samples: int
     read_to_compute: float
     snic_gbps: float
-    # the serving engine's measured compute per turn over this in-process prefill, from the
-    # phase before (engine vllm; 1: not measured yet, or the torch engine itself)
+    # the serving engine's measured compute per turn over this in-process prefill (engine
+    # vllm: from the warm-up's probe, or the phase before; 1: the torch engine itself)
     compute_scale: float = 1.0
+
+    @property
+    def compute_s(self) -> float:
+        """The serving engine's compute of the median turn, the cap is set against."""
+        return self.prefill_s * self.compute_scale
+
+    def scaled(self, compute_scale: float) -> SnicCalibration:
+        """The same turn against a serving engine `compute_scale` times slower: its cap."""
+        return replace(
+            self,
+            compute_scale=compute_scale,
+            snic_gbps=snic_gbps_for(
+                self.hit_bytes, self.prefill_s * compute_scale, self.read_to_compute
+            ),
+        )
 
 
 def snic_gbps_for(hit_bytes: int, compute_s: float, read_to_compute: float) -> float:
@@ -135,7 +150,7 @@ def phase_verdict(
         )
         snic_busy = storage_s / res.elapsed_s
         # the prefill nodes share the turns
-        compute_s = calibration.prefill_s * res.turns / max(1, nodes.get("prefill", 1))
+        compute_s = calibration.compute_s * res.turns / max(1, nodes.get("prefill", 1))
         compute_busy, source = compute_s / res.elapsed_s, "calibrated"
     else:
         return {}
@@ -250,11 +265,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recalibrate",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="with --snic-gbps auto: time the prefill again just before each policy's phase "
         "(at the load then) and set that phase's cap from it; engine vllm also scales it by "
-        "how much slower vLLM computed a turn in the phase before (measured). Each phase says "
-        "whether it was storage-bound against the compute it got",
+        "how much slower vLLM computed a turn in the phase before (measured). The phases' caps "
+        "then differ and `ratio_per_snic_cap` compares them. Default: one cap for every phase "
+        "(engine vllm: against vLLM's compute of the median turn, probed on the warm-up's "
+        "cluster). Either way each phase says whether it was storage-bound against the "
+        "compute it got",
     )
     parser.add_argument(
         "--agents", type=int, default=None, help="agents (default 12; --online: sessions stored, 8)"
@@ -428,6 +446,7 @@ async def replay(
     results: list[TurnResult] | None = None,
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
+    cache_salt: str = "",
 ) -> list[TurnResult]:
     """Replay every agent concurrently; each agent's turns run one after another.
 
@@ -441,6 +460,7 @@ async def replay(
     the turns in flight are cancelled (not counted). A turn in `answered` ((agent, turn) ->
     its greedy answer, e.g. from the warm-up's cluster) is not sent: its answer extends the
     history as if it had been (the same tokens: greedy answers do not depend on the cluster).
+    `cache_salt`: the requests' (their KV never shares blocks with unsalted requests').
     """
     results = [] if results is None else results
     answered = answered or {}
@@ -491,6 +511,8 @@ async def replay(
                 "stream_options": {"include_usage": True},
                 "session_id": sid,
             }
+            if cache_salt:
+                body["cache_salt"] = cache_salt
             t0 = time.perf_counter()
             ttft, final, usage, err = None, None, None, ""
             try:
@@ -667,9 +689,10 @@ def verdict_line(r: PolicyResult) -> str | None:
     cap = f"SNIC cap {r.snic_gbps:.3f} Gbps" if r.snic_gbps else "SNIC cap"
     if r.calibration:
         cal = r.calibration
-        cap += f" (re-calibrated before the phase: prefill {cal['prefill_s']:.2f} s"
-        if cal.get("compute_scale", 1.0) != 1.0:
-            cap += f" x {cal['compute_scale']:.2f} measured in the phase before"
+        scale = cal.get("compute_scale", 1.0)
+        cap += f" (against the median turn's compute, {cal['prefill_s'] * scale:.2f} s"
+        if scale != 1.0:
+            cap += f": {cal['prefill_s']:.2f} s in process x {scale:.2f} measured on vLLM"
         cap += ")"
     load = f", load {r.loadavg[0]:.0f}-{r.loadavg[-1]:.0f}" if r.loadavg else ""
     return (
@@ -734,6 +757,7 @@ def replay_on(
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    cache_salt: str = "",
 ) -> list[TurnResult]:
     """`replay` against a running cluster's frontend, one connection per agent, or through
     `transport` (a peer's router, `bench local --peers`)."""
@@ -756,6 +780,7 @@ def replay_on(
                 results=results,
                 deadline_s=deadline_s,
                 answered=answered,
+                cache_salt=cache_salt,
             )
 
     try:
@@ -774,6 +799,8 @@ class Seed:
     # the warm-up turns' greedy answers: the policies' runs extend their histories with them
     # instead of sending those turns again
     answers: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    # what `seed_storage`'s `probe` measured on the warm-up's cluster (None: no probe)
+    probed: Any = None
 
 
 def kv_root(args: argparse.Namespace) -> Path:
@@ -788,12 +815,14 @@ def seed_storage(
     sink,
     phase: str = "",
     deadline_s: float | None = None,
+    probe: Callable[[Any], Any] | None = None,
 ) -> Seed:
     """Run every agent's warm-up turns once (cold: their context is computed, then stored) and
     return that storage directory; each policy's run starts from a copy of it. The groups warm
     up one after another (online mode: one rate point's agents at a time; all of them at once
     would ask the prefill node for more KV buffer than it has for their cold prefills). At
-    `deadline_s` the warm-up stops: the agents it did not finish are left out (`Seed.warmed`)."""
+    `deadline_s` the warm-up stops: the agents it did not finish are left out (`Seed.warmed`).
+    `probe(cluster)`, when given, runs on the same cluster after the warm-up (`Seed.probed`)."""
     from dualpath.local.cluster import LocalCluster, with_overrides
 
     seed = kv_root(args) / "seed-kv"
@@ -828,7 +857,8 @@ def seed_storage(
             done = Counter(r.agent for r in results)
             warmed |= {t.agent_id for t in head if done[t.agent_id] == len(t.turns)}
             answers.update({(r.agent, r.turn): r.generated for r in results})
-    return Seed(seed, warmed, start_s, answers)
+        probed = probe(cluster) if probe is not None else None
+    return Seed(seed, warmed, start_s, answers, probed)
 
 
 def policy_config(

@@ -43,7 +43,7 @@ from dualpath.local.bench import (
     trace_spec,
 )
 from dualpath.local.interrupt import Interrupted
-from dualpath.trace import TraceSpec, Trajectory, generate
+from dualpath.trace import TraceSpec, Trajectory, Turn, generate
 from dualpath.units import gbps_to_bytes_per_s
 
 READ_BYTES = "dualpath_kv_read_bytes"
@@ -61,6 +61,60 @@ def _counters_by_role(workers: dict[str, str]) -> dict[str, dict[str, float]]:
     for role in ("prefill", "decode"):
         out.setdefault(role, dict.fromkeys((READ_BYTES, *VLLM_SECONDS), 0.0))
     return out
+
+
+# engine vllm, `--snic-gbps auto`: the probe that measures vLLM's compute of the median turn on
+# the warm-up's cluster (`probe_vllm_compute`): this many agents at once (the phases batch
+# their agents' turns too), under a salt of their own so none of their blocks is the trace's
+PROBE_AGENTS = 4
+PROBE_SALT = "dualpath-bench-probe"
+
+
+def probe_trajectories(hit_tokens: int, new_tokens: int, gen_tokens: int) -> list[Trajectory]:
+    """Agents whose second turn has the median turn's shape: its first turn stores a context of
+    `hit_tokens` (whole store blocks: the prompt's one more token is not a whole block), the
+    second sends about `new_tokens` more on it."""
+    return [
+        Trajectory(
+            f"probe-{i}",
+            [Turn(append_tokens=1, gen_tokens=1), Turn(max(1, new_tokens - 2), gen_tokens)],
+            first_tokens=hit_tokens,
+        )
+        for i in range(PROBE_AGENTS)
+    ]
+
+
+def probe_vllm_compute(
+    cluster, cfg: config.ClusterConfig, args: argparse.Namespace, cal: SnicCalibration, label: str
+) -> float | None:
+    """The prefill vLLM's compute per turn of the median turn's shape (its forwards less their
+    waits for KV, saves and sends: the connector's counters over the probe's second turns),
+    measured at the load now; None when nothing was measured."""
+    trs = probe_trajectories(cal.hit_tokens, cal.new_tokens, args.gen_tokens)
+    mark: dict[str, Any] = {}
+
+    def on_warm() -> None:
+        mark["before"] = _counters_by_role(cluster.endpoints.workers)
+
+    prog = Progress(sum(len(t.turns) for t in trs), "probe", phase=label)
+    results = replay_on(
+        cluster.endpoints.frontend,
+        cfg,
+        trs,
+        args,
+        prog,
+        warmup_turns=1,
+        on_warm=on_warm,
+        cache_salt=PROBE_SALT,
+    )
+    turns = sum(1 for r in results if r.ok and not r.warmup)
+    if "before" not in mark or not turns:
+        return None
+    after = _counters_by_role(cluster.endpoints.workers)["prefill"]
+    before = mark["before"]["prefill"]
+    d = {VLLM_SECONDS[k]: after[k] - before[k] for k in VLLM_SECONDS}
+    compute_s = d["forward_s"] - d["load_wait_s"] - d["save_wait_s"]
+    return compute_s / turns if compute_s > 0 else None
 
 
 class PolicyInterrupted(Interrupted):
@@ -236,10 +290,36 @@ def run(args: argparse.Namespace) -> int:
                 warm_end = None
                 if end_s is not None:  # past half the budget, the policies' turns come first
                     warm_end = t_start + budget.WARMUP_SHARE * args.budget_s
+                probe = None
+                if cfg.spec.workers.engine == "vllm" and calibration is not None:
+
+                    def probe(cluster):  # noqa: ANN001, ANN202
+                        return probe_vllm_compute(cluster, cfg, args, calibration, phase("warm-up"))
+
                 seed_run = seed_storage(
-                    cfg, [trajectories], args, sink, phase("warm-up"), deadline_s=warm_end
+                    cfg,
+                    [trajectories],
+                    args,
+                    sink,
+                    phase("warm-up"),
+                    deadline_s=warm_end,
+                    probe=probe,
                 )
                 seed, answered = seed_run.path, seed_run.answers
+                if seed_run.probed and args.snic_gbps == "auto":
+                    from dualpath.local.cluster import with_overrides
+
+                    # the cap against vLLM's compute, not the in-process engine's
+                    scale = seed_run.probed / calibration.prefill_s
+                    calibration = calibration.scaled(scale)
+                    cfg = with_overrides(cfg, **{"storage.snicGbps": calibration.snic_gbps})
+                    print(
+                        f"[{phase('warm-up')}] vLLM computes the median turn in "
+                        f"{seed_run.probed:.2f} s ({scale:.2f}x the in-process prefill, load "
+                        f"{os.getloadavg()[0]:.1f}): SNIC cap {calibration.snic_gbps:.3f} Gbps",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 left = [t for t in trajectories if t.agent_id not in seed_run.warmed]
                 if left:
                     cut["agents_not_warmed"] = [t.agent_id for t in left]
@@ -259,7 +339,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             predicted = cut.get("predicted_phase_s", {})
             floor_s = 0.0  # after a cut phase: the next ones get at least half its time
-            scale = 1.0  # engine vllm: vLLM's compute per turn over the calibration's
+            # engine vllm: vLLM's compute per turn over the calibration's (the probe's, then
+            # the phase before's)
+            scale = calibration.compute_scale if calibration is not None else 1.0
             for i, policy in enumerate(policies):
                 phase_cfg, phase_cal = cfg, calibration
                 if args.snic_gbps == "auto" and args.recalibrate:
@@ -407,7 +489,7 @@ def fit_budget(
             cfg.spec.prefill.replicas,
             cfg.spec.decode.replicas,
             read_s,
-            calibration.prefill_s,
+            calibration.compute_s,
             1,
         ).turns_per_s
         for p in policies
