@@ -93,6 +93,7 @@ def _worker(tmp: Path, cfg) -> tuple[WorkerSide, dict[int, torch.Tensor]]:
 
 def _forward(w: WorkerSide, caches, plan, kv_of_tokens=None) -> None:  # noqa: ANN001
     """What vLLM does around one forward: loads, per layer wait / (compute) / save, then save."""
+    w.step_started()
     w.start_load(plan)
     for layer, t in caches.items():
         w.wait_for_layer(layer)
@@ -625,3 +626,21 @@ def test_a_hit_the_decode_could_not_read_is_recomputed_and_sent_in_the_next_step
     assert got == {"rd"} and decode.take_load_errors() == {1, 2, 3, 4}
     decode.shutdown()
     prefill.shutdown()
+
+
+def test_a_forward_is_timed_from_its_bound_plan_when_its_loads_start_after_it(
+    tmp_path: Path,
+) -> None:
+    """A step without layerwise loads: vLLM starts its (parked) loads after the forward, so the
+    forward's clock (the bench's compute) starts when the plan is bound, before the forward."""
+    from dualpath.integrations.vllm import metrics
+
+    worker, _ = _worker(tmp_path, _cfg(tmp_path))
+    before = metrics.FORWARD_SECONDS._value.get()
+    worker.step_started()
+    time.sleep(0.05)  # the model's forward
+    worker.start_load(StepPlan())
+    worker.finish_loads()
+    worker.wait_for_save()
+    assert metrics.FORWARD_SECONDS._value.get() - before >= 0.05
+    worker.shutdown()

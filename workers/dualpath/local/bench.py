@@ -648,8 +648,9 @@ def phase_breakdown(
 ) -> dict[str, Any]:
     """Where a vLLM phase's time went, from the connector's counters over the measured
     window (`seconds[role][VLLM_SECONDS value]`, summed over the role's instances): the
-    prefill instance's forwards, of them the time blocked on hit KV and on sends and saves,
-    the rest its compute; the decode instances' store reads (path D). The storage alone
+    prefill instance's forwards, of them the time blocked on hit KV (layerwise loads) and on
+    sends and saves, the rest its compute; the store reads off the forward thread, summed
+    over reads that overlap (the prefill's parked loads; the decode instances' path D). The storage alone
     would take `storage_s`: the busiest side's bytes through its SNICs (each of
     `snic_bytes_per_s`). `bound` is storage when the busiest SNICs were busy at least as
     much of the time as the prefill instance computed, else compute."""
@@ -667,6 +668,7 @@ def phase_breakdown(
         "prefill_load_wait_s": round(pre.get("load_wait_s", 0.0), 2),
         "prefill_save_wait_s": round(pre.get("save_wait_s", 0.0), 2),
         "prefill_compute_s": round(compute_s, 2),
+        "prefill_hit_read_s": round(pre.get("hit_read_s", 0.0), 2),
         "decode_forward_s": round(dec.get("forward_s", 0.0), 2),
         "decode_hit_read_s": round(dec.get("hit_read_s", 0.0), 2),
         "storage_s": round(storage_s, 2),
@@ -715,8 +717,10 @@ def breakdown_lines(results: list[PolicyResult]) -> list[str]:
             f"  {r.policy} time: of {r.elapsed_s:.0f} s, prefill vLLM forwards "
             f"{b['prefill_forward_s']:.0f} s (compute {b['prefill_compute_s']:.0f}, "
             f"waiting for hit KV {b['prefill_load_wait_s']:.0f}, sends+saves "
-            f"{b['prefill_save_wait_s']:.0f}); decode forwards {b['decode_forward_s']:.0f} s, "
-            f"decode store reads {b['decode_hit_read_s']:.0f} s; storage alone "
+            f"{b['prefill_save_wait_s']:.0f}), prefill store reads off its forwards "
+            f"{b.get('prefill_hit_read_s', 0):.0f} s; decode forwards "
+            f"{b['decode_forward_s']:.0f} s, decode store reads {b['decode_hit_read_s']:.0f} s; "
+            "storage alone "
             f"{b['storage_s']:.0f} s"
         )
     return lines

@@ -121,6 +121,11 @@ class DualPathConnector(KVConnectorBase_V1):
             kv_caches, _cpu_reshape_and_cache(block, two_hd // 2, t.dtype)
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_started()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DualPathMetadata)

@@ -51,12 +51,13 @@ TRANSFER_FAILURES = Counter(
     ["path", "stage"],
 )
 # where a vLLM instance's time goes (the bench's per-phase breakdown): its forwards' wall time
-# (start_load_kv to the end of wait_for_save), of it the time blocked on hit KV and on saves
+# (the step's plan bound, before the forward, to the end of wait_for_save), of it the time blocked on hit KV and on saves
 # and sends; and the time spent reading hits off the forward thread (a decode's receivers on
 # path D; any instance's parked store loads, `hit_load` async)
 FORWARD_SECONDS = Counter(
     "dualpath_vllm_forward_seconds_total",
-    "wall time of vLLM's forwards (the connector's start_load_kv to the end of wait_for_save)",
+    "wall time of vLLM's forwards (the connector's metadata bound, before the forward, to the "
+    "end of wait_for_save)",
 )
 LOAD_WAIT_SECONDS = Counter(
     "dualpath_vllm_load_wait_seconds_total",

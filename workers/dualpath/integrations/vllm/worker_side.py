@@ -182,7 +182,7 @@ class WorkerSide:
         self._saves: list[_Save] = []
         self._save_plan: StepPlan | None = None
         self._load_errors: set[int] = set()
-        self._forward_t0: float | None = None  # this forward's start (start_load)
+        self._forward_t0: float | None = None  # this step's start (`step_started`)
 
     # ---- start / stop -------------------------------------------------------------------
 
@@ -278,8 +278,13 @@ class WorkerSide:
 
     # ---- loads --------------------------------------------------------------------------
 
-    def start_load(self, plan: StepPlan) -> None:
+    def step_started(self) -> None:
+        """vLLM bound this step's plan, before its forward: the forward's clock starts (vLLM
+        calls `start_load_kv` before the forward only when the step has a layerwise load,
+        else after it)."""
         self._forward_t0 = time.perf_counter()
+
+    def start_load(self, plan: StepPlan) -> None:
         for r in plan.recvs:
             self._start_recv(r)
         for p in plan.async_loads:
