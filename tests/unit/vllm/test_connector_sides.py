@@ -635,12 +635,23 @@ def test_a_forward_is_timed_from_its_bound_plan_when_its_loads_start_after_it(
     forward's clock (the bench's compute) starts when the plan is bound, before the forward."""
     from dualpath.integrations.vllm import metrics
 
-    worker, _ = _worker(tmp_path, _cfg(tmp_path))
+    worker, caches = _worker(tmp_path, _cfg(tmp_path))
+    plan = StepPlan()
     before = metrics.FORWARD_SECONDS._value.get()
     worker.step_started()
-    time.sleep(0.05)  # the model's forward
-    worker.start_load(StepPlan())
+    time.sleep(0.05)  # the model's forward, layer by layer
+    for layer, t in caches.items():
+        worker.save_layer(plan, layer, t)
+    worker.start_load(plan)
     worker.finish_loads()
     worker.wait_for_save()
     assert metrics.FORWARD_SECONDS._value.get() - before >= 0.05
+    # a step that ran no forward (vLLM polling while requests are parked) is not counted
+    before = metrics.FORWARD_SECONDS._value.get()
+    worker.step_started()
+    time.sleep(0.05)
+    worker.start_load(StepPlan())
+    worker.finish_loads()
+    worker.wait_for_save()
+    assert metrics.FORWARD_SECONDS._value.get() == before
     worker.shutdown()

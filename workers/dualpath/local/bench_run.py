@@ -64,8 +64,9 @@ def _counters_by_role(workers: dict[str, str]) -> dict[str, dict[str, float]]:
 
 
 # engine vllm, `--snic-gbps auto`: the probe that measures vLLM's compute of the median turn on
-# the warm-up's cluster (`probe_vllm_compute`): this many agents at once (the phases batch
-# their agents' turns too), under a salt of their own so none of their blocks is the trace's
+# the warm-up's cluster (`probe_vllm_compute`): this many agents, one after another (a turn
+# alone: the most a turn computes; the phases' batches only lower it, so the cap errs on the
+# storage-bound side), under a salt of their own so none of their blocks is the trace's
 PROBE_AGENTS = 4
 PROBE_SALT = "dualpath-bench-probe"
 
@@ -87,34 +88,38 @@ def probe_trajectories(hit_tokens: int, new_tokens: int, gen_tokens: int) -> lis
 def probe_vllm_compute(
     cluster, cfg: config.ClusterConfig, args: argparse.Namespace, cal: SnicCalibration, label: str
 ) -> float | None:
-    """The prefill vLLM's compute per turn of the median turn's shape (its forwards less their
-    waits for KV, saves and sends: the connector's counters over the probe's second turns),
-    measured at the load now; None when nothing was measured."""
-    trs = probe_trajectories(cal.hit_tokens, cal.new_tokens, args.gen_tokens)
-    mark: dict[str, Any] = {}
+    """The prefill vLLM's compute of a turn of the median turn's shape, alone (its forwards
+    less their waits for KV, saves and sends, from the connector's counters around the
+    probe's second turn), the median over the probe's agents, at the load now; None when
+    nothing was measured."""
+    import statistics
 
-    def on_warm() -> None:
-        mark["before"] = _counters_by_role(cluster.endpoints.workers)
+    times: list[float] = []
+    for tr in probe_trajectories(cal.hit_tokens, cal.new_tokens, args.gen_tokens):
+        mark: dict[str, Any] = {}
 
-    prog = Progress(sum(len(t.turns) for t in trs), "probe", phase=label)
-    results = replay_on(
-        cluster.endpoints.frontend,
-        cfg,
-        trs,
-        args,
-        prog,
-        warmup_turns=1,
-        on_warm=on_warm,
-        cache_salt=PROBE_SALT,
-    )
-    turns = sum(1 for r in results if r.ok and not r.warmup)
-    if "before" not in mark or not turns:
-        return None
-    after = _counters_by_role(cluster.endpoints.workers)["prefill"]
-    before = mark["before"]["prefill"]
-    d = {VLLM_SECONDS[k]: after[k] - before[k] for k in VLLM_SECONDS}
-    compute_s = d["forward_s"] - d["load_wait_s"] - d["save_wait_s"]
-    return compute_s / turns if compute_s > 0 else None
+        def on_warm(mark: dict[str, Any] = mark) -> None:
+            mark["before"] = _counters_by_role(cluster.endpoints.workers)["prefill"]
+
+        prog = Progress(len(tr.turns), "probe", phase=label)
+        results = replay_on(
+            cluster.endpoints.frontend,
+            cfg,
+            [tr],
+            args,
+            prog,
+            warmup_turns=1,
+            on_warm=on_warm,
+            cache_salt=PROBE_SALT,
+        )
+        if "before" not in mark or not any(r.ok and not r.warmup for r in results):
+            continue
+        after = _counters_by_role(cluster.endpoints.workers)["prefill"]
+        d = {VLLM_SECONDS[k]: after[k] - mark["before"][k] for k in VLLM_SECONDS}
+        compute_s = d["forward_s"] - d["load_wait_s"] - d["save_wait_s"]
+        if compute_s > 0:
+            times.append(compute_s)
+    return statistics.median(times) if times else None
 
 
 class PolicyInterrupted(Interrupted):

@@ -183,6 +183,7 @@ class WorkerSide:
         self._save_plan: StepPlan | None = None
         self._load_errors: set[int] = set()
         self._forward_t0: float | None = None  # this step's start (`step_started`)
+        self._forward_ran = False  # the step ran the model (a layer saved): not a bare poll
 
     # ---- start / stop -------------------------------------------------------------------
 
@@ -283,6 +284,7 @@ class WorkerSide:
         calls `start_load_kv` before the forward only when the step has a layerwise load,
         else after it)."""
         self._forward_t0 = time.perf_counter()
+        self._forward_ran = False
 
     def start_load(self, plan: StepPlan) -> None:
         for r in plan.recvs:
@@ -713,6 +715,7 @@ class WorkerSide:
     # ---- saves --------------------------------------------------------------------------
 
     def save_layer(self, plan: StepPlan, layer: int, kv_layer: torch.Tensor) -> None:
+        self._forward_ran = True  # vLLM calls it after every layer of a forward
         # vLLM may start the step's loads after its forward (no sync load this step): the saves
         # are bound to the plan here, on the forward's first layer, not in start_load_kv
         if self._save_plan is not plan:
@@ -798,9 +801,11 @@ class WorkerSide:
         finally:
             t1 = time.perf_counter()
             metrics.SAVE_WAIT_SECONDS.inc(t1 - t0)
-            if self._forward_t0 is not None:
+            # a step without a forward (vLLM polls the connector while requests are parked,
+            # many times a second) is no compute
+            if self._forward_t0 is not None and self._forward_ran:
                 metrics.FORWARD_SECONDS.inc(t1 - self._forward_t0)
-                self._forward_t0 = None
+            self._forward_t0 = None
 
     def _wait_for_save(self) -> None:
         self._finish_sends()  # first: the decode waits on them, the store does not
