@@ -655,3 +655,31 @@ def test_a_forward_is_timed_from_its_bound_plan_when_its_loads_start_after_it(
     worker.wait_for_save()
     assert metrics.FORWARD_SECONDS._value.get() == before
     worker.shutdown()
+
+
+def test_a_step_without_a_forward_pauses_only_while_requests_are_parked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM steps again at once while requests are parked; a bare poll pauses (bounded), a
+    step with a forward or a finished request, or with nothing parked, does not."""
+    from dualpath.integrations.vllm import worker_side
+
+    worker, caches = _worker(tmp_path, _cfg(tmp_path))
+    pauses: list[float] = []
+    monkeypatch.setattr(worker_side.time, "sleep", pauses.append)
+
+    def paused(finished: set[str]) -> bool:
+        pauses.clear()
+        worker.pause_if_idle(finished)
+        return pauses == [worker_side.IDLE_STEP_S]
+
+    worker.step_started()
+    assert not paused(set())  # nothing parked: vLLM would not poll
+    worker._recvs["x"] = object()  # a parked receiver
+    assert paused(set())
+    assert not paused({"r"})  # something finished: step again at once
+    worker.save_layer(StepPlan(), 0, caches[0])  # a forward ran
+    assert not paused(set())
+    worker._recvs.clear()
+    monkeypatch.undo()
+    worker.shutdown()

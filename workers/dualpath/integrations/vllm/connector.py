@@ -147,7 +147,9 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # a receiver past its deadline is reported received, its failed blocks as load errors
-        return KVConnectorTransferResults(finished_recving=self._worker.finished_receiving())
+        done = self._worker.finished_receiving()
+        self._worker.pause_if_idle(done)
+        return KVConnectorTransferResults(finished_recving=done)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

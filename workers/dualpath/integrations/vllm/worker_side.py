@@ -80,7 +80,11 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
-POLL_S = 0.0005  # the notification poller's period while receivers wait
+POLL_S = 0.002  # the notification poller's period while receivers wait
+# a step that ran no forward while requests are parked: vLLM steps again at once to poll the
+# connector, so on a CPU host its engine and worker would spin a core each for the whole
+# wait; this pause bounds that, and delays a parked request's start by at most as much
+IDLE_STEP_S = 0.003
 PROGRESS_POLL_S = 0.002  # a sender's period between reads of a receiver's progress word
 SENT_MEMORY = 4096  # transfer ids a sender remembers having sent (never sends one twice)
 
@@ -707,6 +711,16 @@ class WorkerSide:
                 len(bad),
             )
         return done
+
+    def pause_if_idle(self, finished: set[str]) -> None:
+        """After `finished_receiving`: a step that ran no forward and finished nothing, while
+        requests are parked, pauses `IDLE_STEP_S` before vLLM polls again."""
+        if finished or self._forward_ran:
+            return
+        with self._cond:
+            waiting = bool(self._recvs or self._parked or self._parked_reads)
+        if waiting:
+            time.sleep(IDLE_STEP_S)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
