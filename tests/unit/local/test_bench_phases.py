@@ -150,17 +150,19 @@ def test_a_cap_scaled_to_the_serving_engines_compute_keeps_the_read_to_compute_r
     assert (cal.hit_tokens, cal.prefill_s) == (slow.hit_tokens, slow.prefill_s)
 
 
-def test_the_probes_second_turn_has_the_median_turns_shape() -> None:
-    block = local_default().spec.model.block_tokens
-    hit, new = 40 * block, 37
-    trs = bench_run.probe_trajectories(hit, new, gen_tokens=4)
-    assert len(trs) == bench_run.PROBE_AGENTS and len({t.agent_id for t in trs}) == len(trs)
-    for tr in trs:
-        # turn 0 stores `hit` tokens in whole blocks (its prompt is one token more)
-        assert tr.prompt_tokens(0) // block * block == hit
-        # turn 1's prompt: the stored context, its answer and the new tokens
-        assert tr.prompt_tokens(1) - hit == pytest.approx(new, abs=1)
-        assert bench.median_turn([tr], 1, block) == (hit, tr.prompt_tokens(1) - hit)
+def test_the_probe_replays_each_agents_first_turns_under_a_name_of_its_own() -> None:
+    trs = [
+        Trajectory("a", [Turn(8, 2)] * 5, first_tokens=64),
+        Trajectory("b", [Turn(8, 2)] * 2, first_tokens=32),
+        Trajectory("c", [Turn(8, 2)], first_tokens=32),  # warm-up only: nothing to measure
+    ]
+    probe = bench_run.probe_trajectories(trs, warmup_turns=1)
+    assert [t.agent_id for t in probe] == ["probe-a", "probe-b"]
+    assert [len(t.turns) for t in probe] == [1 + bench_run.PROBE_TURNS, 2]
+    # the trace's own shapes: the same prompts turn by turn
+    assert [probe[0].prompt_tokens(i) for i in range(3)] == [
+        trs[0].prompt_tokens(i) for i in range(3)
+    ]
 
 
 def test_the_replay_sends_the_salt_it_is_given() -> None:

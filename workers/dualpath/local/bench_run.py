@@ -43,7 +43,7 @@ from dualpath.local.bench import (
     trace_spec,
 )
 from dualpath.local.interrupt import Interrupted
-from dualpath.trace import TraceSpec, Trajectory, Turn, generate
+from dualpath.trace import TraceSpec, Trajectory, generate
 from dualpath.units import gbps_to_bytes_per_s
 
 READ_BYTES = "dualpath_kv_read_bytes"
@@ -63,63 +63,58 @@ def _counters_by_role(workers: dict[str, str]) -> dict[str, dict[str, float]]:
     return out
 
 
-# engine vllm, `--snic-gbps auto`: the probe that measures vLLM's compute of the median turn on
-# the warm-up's cluster (`probe_vllm_compute`): this many agents, one after another (a turn
-# alone: the most a turn computes; the phases' batches only lower it, so the cap errs on the
-# storage-bound side), under a salt of their own so none of their blocks is the trace's
-PROBE_AGENTS = 4
+# engine vllm, `--snic-gbps auto`: the probe that measures vLLM's compute per turn on the
+# warm-up's cluster (`probe_vllm_compute`): every agent at once, as the phases run them, its
+# warm-up turns and this many turns after them, under a salt of their own so none of their
+# blocks is the trace's. A turn alone computes several times faster than one among the
+# phase's others (the decode instances, the reads, the frontend share the cores), and the
+# cap must be set against the compute the phase will see
+PROBE_TURNS = 2
 PROBE_SALT = "dualpath-bench-probe"
 
 
-def probe_trajectories(hit_tokens: int, new_tokens: int, gen_tokens: int) -> list[Trajectory]:
-    """Agents whose second turn has the median turn's shape: its first turn stores a context of
-    `hit_tokens` (whole store blocks: the prompt's one more token is not a whole block), the
-    second sends about `new_tokens` more on it."""
+def probe_trajectories(trajectories: list[Trajectory], warmup_turns: int) -> list[Trajectory]:
+    """The agents' warm-up turns and the `PROBE_TURNS` after them (the trace's own shapes)."""
     return [
-        Trajectory(
-            f"probe-{i}",
-            [Turn(append_tokens=1, gen_tokens=1), Turn(max(1, new_tokens - 2), gen_tokens)],
-            first_tokens=hit_tokens,
-        )
-        for i in range(PROBE_AGENTS)
+        Trajectory(f"probe-{t.agent_id}", t.turns[: warmup_turns + PROBE_TURNS], t.first_tokens)
+        for t in trajectories
+        if len(t.turns) > warmup_turns
     ]
 
 
 def probe_vllm_compute(
-    cluster, cfg: config.ClusterConfig, args: argparse.Namespace, cal: SnicCalibration, label: str
+    cluster,
+    cfg: config.ClusterConfig,
+    args: argparse.Namespace,
+    trajectories: list[Trajectory],
+    label: str,
 ) -> float | None:
-    """The prefill vLLM's compute of a turn of the median turn's shape, alone (its forwards
-    less their waits for KV, saves and sends, from the connector's counters around the
-    probe's second turn), the median over the probe's agents, at the load now; None when
-    nothing was measured."""
-    import statistics
+    """The prefill vLLM's compute per turn among the others (its forwards less their waits for
+    KV, saves and sends, from the connector's counters over the probe's measured turns) at
+    the load now; None when nothing was measured."""
+    trs = probe_trajectories(trajectories, args.warmup_turns)
+    mark: dict[str, Any] = {}
 
-    times: list[float] = []
-    for tr in probe_trajectories(cal.hit_tokens, cal.new_tokens, args.gen_tokens):
-        mark: dict[str, Any] = {}
+    def on_warm() -> None:
+        mark["before"] = _counters_by_role(cluster.endpoints.workers)["prefill"]
 
-        def on_warm(mark: dict[str, Any] = mark) -> None:
-            mark["before"] = _counters_by_role(cluster.endpoints.workers)["prefill"]
-
-        prog = Progress(len(tr.turns), "probe", phase=label)
-        results = replay_on(
-            cluster.endpoints.frontend,
-            cfg,
-            [tr],
-            args,
-            prog,
-            warmup_turns=1,
-            on_warm=on_warm,
-            cache_salt=PROBE_SALT,
-        )
-        if "before" not in mark or not any(r.ok and not r.warmup for r in results):
-            continue
-        after = _counters_by_role(cluster.endpoints.workers)["prefill"]
-        d = {VLLM_SECONDS[k]: after[k] - mark["before"][k] for k in VLLM_SECONDS}
-        compute_s = d["forward_s"] - d["load_wait_s"] - d["save_wait_s"]
-        if compute_s > 0:
-            times.append(compute_s)
-    return statistics.median(times) if times else None
+    prog = Progress(sum(len(t.turns) for t in trs), "probe", phase=label)
+    results = replay_on(
+        cluster.endpoints.frontend,
+        cfg,
+        trs,
+        args,
+        prog,
+        on_warm=on_warm,
+        cache_salt=PROBE_SALT,
+    )
+    turns = sum(1 for r in results if r.ok and not r.warmup)
+    if "before" not in mark or not turns:
+        return None
+    after = _counters_by_role(cluster.endpoints.workers)["prefill"]
+    d = {VLLM_SECONDS[k]: after[k] - mark["before"][k] for k in VLLM_SECONDS}
+    compute_s = d["forward_s"] - d["load_wait_s"] - d["save_wait_s"]
+    return compute_s / turns if compute_s > 0 else None
 
 
 class PolicyInterrupted(Interrupted):
@@ -299,7 +294,9 @@ def run(args: argparse.Namespace) -> int:
                 if cfg.spec.workers.engine == "vllm" and calibration is not None:
 
                     def probe(cluster):  # noqa: ANN001, ANN202
-                        return probe_vllm_compute(cluster, cfg, args, calibration, phase("warm-up"))
+                        return probe_vllm_compute(
+                            cluster, cfg, args, trajectories, phase("warm-up")
+                        )
 
                 seed_run = seed_storage(
                     cfg,
@@ -319,8 +316,8 @@ def run(args: argparse.Namespace) -> int:
                     calibration = calibration.scaled(scale)
                     cfg = with_overrides(cfg, **{"storage.snicGbps": calibration.snic_gbps})
                     print(
-                        f"[{phase('warm-up')}] vLLM computes the median turn in "
-                        f"{seed_run.probed:.2f} s ({scale:.2f}x the in-process prefill, load "
+                        f"[{phase('warm-up')}] vLLM computes a turn in {seed_run.probed:.2f} s "
+                        f"among the others ({scale:.2f}x the in-process prefill, load "
                         f"{os.getloadavg()[0]:.1f}): SNIC cap {calibration.snic_gbps:.3f} Gbps",
                         file=sys.stderr,
                         flush=True,
