@@ -273,6 +273,7 @@ def test_peer_kv_blocks_off_keeps_vllms_default_and_a_number_must_hold_the_large
     off = peers.kv_cap(_agents(4), 2, 128, 1000, "off")
     assert off.blocks is None and not off.below_working_set and "1 GiB" in off.describe()
     assert peers.kv_cap(_agents(4), 2, 128, 1000, "20").blocks == 20
+    assert peers.kv_cap([], 2, 128, 1000).blocks is None  # no turn to size it from
     with pytest.raises(ValueError, match="largest turn needs 12 blocks"):
         peers.kv_cap(_agents(4), 2, 128, 1000, "11")
     assert _args("--peer-kv-blocks", "7").peer_kv_blocks == "7"

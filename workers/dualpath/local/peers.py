@@ -210,8 +210,8 @@ def kv_cap(
     for k, t in enumerate(agents):
         kept[k % len(kept)] += blocks(t.final_context_tokens)
     working = min(kept)
-    if requested == "off":
-        n, how = None, f"vLLM's default, {CPU_KVCACHE_GIB} GiB (--peer-kv-blocks off)"
+    if requested == "off" or not largest:  # no turns: nothing to size it from
+        n, how = None, f"vLLM's default, {CPU_KVCACHE_GIB} GiB (--peer-kv-blocks {requested})"
     elif requested == "auto":
         n, how = max(largest, working // 2), "--peer-kv-blocks auto"
     else:
@@ -488,7 +488,6 @@ def run_peer(
     row = PeerRow(peer.name, "; ".join(x for x in (peer.what, cap.describe(), capped) if x), False)
     row.kv_cache = {**asdict(cap), "below_working_set": cap.below_working_set}
     row.snic_gbps = snic_gbps if reads else 0.0
-    log.info("peer %s: %s", peer.name, row.what)
     if not cap.below_working_set:
         print(
             f"[{phase}] warning: the peers' KV cache ({cap.describe()}) holds an instance's "

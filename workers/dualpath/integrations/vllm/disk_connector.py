@@ -17,7 +17,6 @@ DualPath connector, with three changes and nothing else of vLLM touched:
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
 )
+from vllm.logger import init_logger
 
 from dualpath.kv.queue import TokenBucket
 
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# under vLLM's logger: its process configures only that one (the lines go to the peer's log)
+log = init_logger(f"vllm.{__name__}")
 
 
 def saved_prefix(token_ids: list[int], block: int, exists) -> int:
