@@ -5,9 +5,9 @@ Each peer is plain `vllm serve` processes (`server.vllm_serve`, the command line
 workers' vLLM uses, with the peer's own KV connector and vLLM's prefix cache on, its default)
 with its KV cache capped below the trace's working set (`kv_cap`, `--peer-kv-blocks`: its
 DRAM prefix cache cannot keep every agent's context between turns, as on a cluster whose
-agents' KV far exceeds memory), behind the router of `peer_router` that the bench's replay drives: the same agents, turns,
-warm-up turns and greedy requests, the same node count (P + D instances), the same
-`summarize` figures. A peer's row says what it ran, its throughput and TTFT, the bytes its
+agents' KV far exceeds memory), behind the router of `peer_router` that the bench's replay
+drives: the same agents, turns, warm-up turns and greedy requests, the same node count
+(P + D instances), the same `summarize` figures. A peer's row says what it ran, its throughput and TTFT, the bytes its
 vLLM counters moved per path, its failed turns, how many answers equal the reference's
 (the DualPath phase and its warm-up) and the load average while it ran. A peer that does not
 start, or that logs errors while it serves, shows the error lines captured from its own logs.
@@ -54,8 +54,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Peer:
     """One peer's configuration: `kv_transfer(i, run_dir, snic_gbps)` instance i's
-    `--kv-transfer-config` (None: none; `snic_gbps` the DualPath node's SNIC cap), `env(i, run_dir)` its extra environment; `pd`: the first P instances
-    prefill and the rest decode (vLLM's P/D), else every instance serves whole turns;
+    `--kv-transfer-config` (None: none; `snic_gbps` the DualPath node's SNIC cap), `env(i,
+    run_dir)` its extra environment; `pd`: the first P instances prefill and the rest decode
+    (vLLM's P/D), else every instance serves whole turns;
     `venv`: where its vLLM is (None: the project's); `known_limit`: why it may fail on vLLM's
     CPU build, printed only beside an error it logged."""
 
