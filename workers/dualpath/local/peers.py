@@ -93,6 +93,11 @@ def _nixl_env(i: int, run_dir: Path) -> dict[str, str]:
 
 
 NIXL_SIDE_PORT = 15600
+# How long a prefill keeps a prompt's KV for its decode to pull (vLLM's default 30 s): with the
+# capped KV cache a decode queues turns for blocks, on a loaded machine past 30 s, and the
+# prefill then frees blocks the decode still reads ("Potentially invalid KV blocks ... may
+# have expired", seen at load 19)
+NIXL_LEASE_S = 600
 NIXL_ALIAS = """# written by dualpath bench local --peers: `nixl` is nixl_cu12 (no CUDA here)
 import importlib, sys
 for _sub in ("_bindings", "_utils", "logging", "_api"):
@@ -136,11 +141,13 @@ PEERS: dict[str, Peer] = {
         ),
         Peer(
             "nixl-pd",
-            "vLLM P/D, NixlConnector (UCX, kv_buffer_device cpu), prefix cache on, no storage",
+            "vLLM P/D, NixlConnector (UCX, kv_buffer_device cpu, kv_lease_duration "
+            f"{NIXL_LEASE_S} s), prefix cache on, no storage",
             kv_transfer=lambda i, d, g: {
                 "kv_connector": "NixlConnector",
                 "kv_role": "kv_both",
                 "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"kv_lease_duration": NIXL_LEASE_S},
             },
             env=_nixl_env,
             pd=True,
