@@ -244,3 +244,63 @@ def test_coloured_log_levels_are_captured_without_their_colour_codes() -> None:
     assert peers.captured_errors(line) == [
         "[2026-12-07 00:07:27,463] LMCache ERROR: Failed to initialize"
     ]
+
+
+def _agents(n: int, first: int = 1000, turns: int = 3) -> list[Trajectory]:
+    return [
+        Trajectory(f"a{i}", [Turn(append_tokens=100, gen_tokens=50)] * turns, first_tokens=first)
+        for i in range(n)
+    ]
+
+
+def test_the_peers_kv_cache_is_below_an_instances_agents_contexts_and_holds_the_largest_turn() -> (
+    None
+):
+    # 4 agents on 2 instances: each keeps 2 contexts of 1450 tokens (12 blocks of 128)
+    cap = peers.kv_cap(_agents(4), 2, 128, 1000)
+    assert (cap.largest_turn_blocks, cap.working_set_blocks) == (12, 24)
+    assert cap.blocks == 12 and cap.below_working_set  # half of 24, and the largest turn fits
+    assert cap.bytes == 12 * 128 * 1000
+    # 8 agents on 2 instances: half the 48 blocks they keep
+    assert peers.kv_cap(_agents(8), 2, 128, 1000).blocks == 24
+    # one agent an instance: the largest turn must fit, and then its context stays in DRAM
+    alone = peers.kv_cap(_agents(2), 2, 128, 1000)
+    assert alone.blocks == 12 and not alone.below_working_set
+    assert "12 blocks of 128 tokens" in cap.describe() and "auto" in cap.describe()
+
+
+def test_peer_kv_blocks_off_keeps_vllms_default_and_a_number_must_hold_the_largest_turn() -> None:
+    off = peers.kv_cap(_agents(4), 2, 128, 1000, "off")
+    assert off.blocks is None and not off.below_working_set and "1 GiB" in off.describe()
+    assert peers.kv_cap(_agents(4), 2, 128, 1000, "20").blocks == 20
+    assert peers.kv_cap([], 2, 128, 1000).blocks is None  # no turn to size it from
+    with pytest.raises(ValueError, match="largest turn needs 12 blocks"):
+        peers.kv_cap(_agents(4), 2, 128, 1000, "11")
+    assert _args("--peer-kv-blocks", "7").peer_kv_blocks == "7"
+    assert _args().peer_kv_blocks == "auto"
+    with pytest.raises(SystemExit):
+        _args("--peer-kv-blocks", "0")
+
+
+def test_a_capped_vllm_gets_the_blocks_and_a_context_they_hold(tmp_path: Path) -> None:
+    from dualpath.integrations.vllm.server import vllm_serve
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").write_text("")
+    cfg = with_overrides(local_default(), **{"model.checkpointPath": str(tmp_path)})
+    argv = vllm_serve(cfg, port=1, kv_transfer=None, venv=venv, kv_blocks=12).argv
+    # vLLM holds one block back and refuses a context its cache cannot hold
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "13"
+    assert argv[argv.index("--max-model-len") + 1] == str(12 * 128)
+    plain = vllm_serve(cfg, port=1, kv_transfer=None, venv=venv).argv
+    assert "--num-gpu-blocks-override" not in plain
+    assert plain[plain.index("--max-model-len") + 1] == "16384"
+
+
+def test_only_the_disk_peer_reads_storage_through_the_snic_cap(tmp_path: Path) -> None:
+    disk = peers.PEERS["disk"].kv_transfer(0, tmp_path, 0.5)
+    assert disk["kv_connector_module_path"] == "dualpath.integrations.vllm.disk_connector"
+    assert disk["kv_connector_extra_config"]["snic_gbps"] == 0.5
+    assert "not SNIC-capped" in peers.PEERS["lmcache"].what
+    assert peers.PEERS["vllm"].kv_transfer(0, tmp_path, 0.5) is None

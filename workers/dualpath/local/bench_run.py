@@ -461,13 +461,22 @@ def run_peers(
     ref_policy = "dualpath" if "dualpath" in answers else next(iter(answers), None)
     reference = {**warmup_answers, **answers.get(ref_policy, {})} if ref_policy else {}
     by = {r.policy: r for r in out}
+    # the storage-reading peers' cap: the dualpath phase's (re-calibrated per phase), else the
+    # run's
+    snic = by[ref_policy].snic_gbps if ref_policy in by else cfg.spec.storage.snic_gbps
     if ref_policy in by:
         n = len(answers[ref_policy])
         rows.append(peers.dualpath_row(by[ref_policy], (n, n)))
     for name in args.peers:
         rows.append(
             peers.run_peer(
-                peers.PEERS[name], cfg, trajectories, args, reference, phase(f"peer {name}")
+                peers.PEERS[name],
+                cfg,
+                trajectories,
+                args,
+                reference,
+                phase(f"peer {name}"),
+                snic_gbps=snic,
             )
         )
 

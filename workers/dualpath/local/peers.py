@@ -3,9 +3,11 @@ bench's trace in the same run (docs/benchmarks.md "Peers").
 
 Each peer is plain `vllm serve` processes (`server.vllm_serve`, the command line the DualPath
 workers' vLLM uses, with the peer's own KV connector and vLLM's prefix cache on, its default)
-behind the router of `peer_router` that the bench's replay drives: the same agents, turns,
-warm-up turns and greedy requests, the same node count (P + D instances), the same
-`summarize` figures. A peer's row says what it ran, its throughput and TTFT, the bytes its
+with its KV cache capped below the trace's working set (`kv_cap`, `--peer-kv-blocks`: its
+DRAM prefix cache cannot keep every agent's context between turns, as on a cluster whose
+agents' KV far exceeds memory), behind the router of `peer_router` that the bench's replay
+drives: the same agents, turns, warm-up turns and greedy requests, the same node count
+(P + D instances), the same `summarize` figures. A peer's row says what it ran, its throughput and TTFT, the bytes its
 vLLM counters moved per path, its failed turns, how many answers equal the reference's
 (the DualPath phase and its warm-up) and the load average while it ran. A peer that does not
 start, or that logs errors while it serves, shows the error lines captured from its own logs.
@@ -51,15 +53,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Peer:
-    """One peer's configuration: `kv_transfer(i, run_dir)` instance i's `--kv-transfer-config`
-    (None: none), `env(i, run_dir)` its extra environment; `pd`: the first P instances
-    prefill and the rest decode (vLLM's P/D), else every instance serves whole turns;
+    """One peer's configuration: `kv_transfer(i, run_dir, snic_gbps)` instance i's
+    `--kv-transfer-config` (None: none; `snic_gbps` the DualPath node's SNIC cap), `env(i,
+    run_dir)` its extra environment; `pd`: the first P instances prefill and the rest decode
+    (vLLM's P/D), else every instance serves whole turns;
     `venv`: where its vLLM is (None: the project's); `known_limit`: why it may fail on vLLM's
     CPU build, printed only beside an error it logged."""
 
     name: str
     what: str
-    kv_transfer: Callable[[int, Path], dict | None] = lambda i, d: None
+    kv_transfer: Callable[[int, Path, float], dict | None] = lambda i, d, g: None
     env: Callable[[int, Path], dict[str, str]] = lambda i, d: {}
     pd: bool = False
     venv: Path | None = None
@@ -90,6 +93,11 @@ def _nixl_env(i: int, run_dir: Path) -> dict[str, str]:
 
 
 NIXL_SIDE_PORT = 15600
+# How long a prefill keeps a prompt's KV for its decode to pull (vLLM's default 30 s): with the
+# capped KV cache a decode queues turns for blocks, on a loaded machine past 30 s, and the
+# prefill then frees blocks the decode still reads ("Potentially invalid KV blocks ... may
+# have expired", seen at load 19)
+NIXL_LEASE_S = 600
 NIXL_ALIAS = """# written by dualpath bench local --peers: `nixl` is nixl_cu12 (no CUDA here)
 import importlib, sys
 for _sub in ("_bindings", "_utils", "logging", "_api"):
@@ -103,8 +111,12 @@ PEERS: dict[str, Peer] = {
     for p in (
         Peer(
             "lmcache",
-            "vLLM + LMCache (LMCacheConnectorV1, local disk backend), prefix cache on",
-            kv_transfer=lambda i, d: {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+            "vLLM + LMCache (LMCacheConnectorV1, local disk backend), prefix cache on; its "
+            "disk reads are not SNIC-capped (that needs a change inside LMCache)",
+            kv_transfer=lambda i, d, g: {
+                "kv_connector": "LMCacheConnectorV1",
+                "kv_role": "kv_both",
+            },
             env=_lmcache_env,
             venv=LMCACHE_VENV,
             known_limit="LMCache's vLLM integration has paged-memory connectors for cuda, xpu, "
@@ -113,22 +125,29 @@ PEERS: dict[str, Peer] = {
         ),
         Peer(
             "disk",
-            "vLLM + ExampleConnector (vLLM's KV-to-disk connector, formerly "
-            "SharedStorageConnector: every prompt's KV saved to and loaded from local disk; "
-            "the closest to LMCache's local disk backend that runs here), prefix cache on",
-            kv_transfer=lambda i, d: {
-                "kv_connector": "ExampleConnector",
+            "vLLM + CappedDiskConnector (vLLM's ExampleConnector, its KV-to-disk connector, "
+            "subclassed: hits on the longest saved block prefix, saves only computed KV, loads "
+            "through the DualPath node's SNIC cap; the closest to LMCache's local disk backend "
+            "that runs here), prefix cache on",
+            kv_transfer=lambda i, d, g: {
+                "kv_connector": "CappedDiskConnector",
+                "kv_connector_module_path": "dualpath.integrations.vllm.disk_connector",
                 "kv_role": "kv_both",
-                "kv_connector_extra_config": {"shared_storage_path": str(d / f"disk-kv-{i}")},
+                "kv_connector_extra_config": {
+                    "shared_storage_path": str(d / f"disk-kv-{i}"),
+                    "snic_gbps": g,
+                },
             },
         ),
         Peer(
             "nixl-pd",
-            "vLLM P/D, NixlConnector (UCX, kv_buffer_device cpu), prefix cache on, no storage",
-            kv_transfer=lambda i, d: {
+            "vLLM P/D, NixlConnector (UCX, kv_buffer_device cpu, kv_lease_duration "
+            f"{NIXL_LEASE_S} s), prefix cache on, no storage",
+            kv_transfer=lambda i, d, g: {
                 "kv_connector": "NixlConnector",
                 "kv_role": "kv_both",
                 "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"kv_lease_duration": NIXL_LEASE_S},
             },
             env=_nixl_env,
             pd=True,
@@ -136,6 +155,91 @@ PEERS: dict[str, Peer] = {
         Peer("vllm", "plain vLLM, prefix cache on, recompute on a miss"),
     )
 }
+
+
+@dataclass(frozen=True)
+class KvCap:
+    """A peer instance's KV cache (`kv_cap`): `blocks` usable blocks of `block_tokens` (None:
+    vLLM's default, CPU_KVCACHE_GIB of memory), against the trace's largest turn and the
+    agents' contexts its smallest instance keeps (`working_set_blocks`)."""
+
+    blocks: int | None
+    block_tokens: int
+    largest_turn_blocks: int
+    working_set_blocks: int
+    bytes: int
+    how: str
+
+    @property
+    def below_working_set(self) -> bool:
+        return self.blocks is not None and self.blocks < self.working_set_blocks
+
+    def describe(self) -> str:
+        if self.blocks is None:
+            return f"KV cache {self.how}"
+        return (
+            f"KV cache {self.blocks} blocks of {self.block_tokens} tokens "
+            f"({self.bytes / 1e6:.0f} MB; {self.how}; largest turn {self.largest_turn_blocks}, "
+            f"an instance's agents' contexts {self.working_set_blocks})"
+        )
+
+
+def kv_cap(
+    trajectories: list[Trajectory],
+    instances: int,
+    block_tokens: int,
+    kv_bytes_per_token: int,
+    requested: str = "auto",
+) -> KvCap:
+    """The KV cache each peer instance gets (`--peer-kv-blocks`), the one place it is sized.
+
+    `auto`: half the contexts the instance's agents keep (the smallest instance's: the
+    router sends agents round-robin, an agent's turns to one instance), but never less than
+    the largest turn (prompt + generation), which must fit. vLLM's prefix cache evicts the
+    least recently used blocks, and the agents' turns come round in turn: a cache below
+    their contexts drops an agent's context before its next turn, as on a cluster whose
+    agents' KV far exceeds memory, while the turns in flight still fit. `off`: vLLM's
+    default (CPU_KVCACHE_GIB of memory, every hit in DRAM on a small trace). N: N blocks."""
+    from dualpath.integrations.vllm.server import CPU_KVCACHE_GIB
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_tokens)
+
+    agents = [t for root in trajectories for t in root.walk()]
+    largest = max(
+        (
+            blocks(t.prompt_tokens(i) + turn.gen_tokens)
+            for t in agents
+            for i, turn in enumerate(t.turns)
+        ),
+        default=0,
+    )
+    kept = [0] * max(1, instances)
+    for k, t in enumerate(agents):
+        kept[k % len(kept)] += blocks(t.final_context_tokens)
+    working = min(kept)
+    if requested == "off" or not largest:  # no turns: nothing to size it from
+        n, how = None, f"vLLM's default, {CPU_KVCACHE_GIB} GiB (--peer-kv-blocks {requested})"
+    elif requested == "auto":
+        n, how = max(largest, working // 2), "--peer-kv-blocks auto"
+    else:
+        n, how = int(requested), f"--peer-kv-blocks {requested}"
+        if n < largest:
+            raise ValueError(
+                f"--peer-kv-blocks {n} holds {n * block_tokens} tokens; the trace's largest "
+                f"turn needs {largest} blocks of {block_tokens}"
+            )
+    nbytes = CPU_KVCACHE_GIB << 30 if n is None else n * block_tokens * kv_bytes_per_token
+    return KvCap(n, block_tokens, largest, working, nbytes, how)
+
+
+def kv_blocks_arg(value: str) -> str:
+    """`--peer-kv-blocks`: auto, off or a positive number of blocks."""
+    if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"--peer-kv-blocks takes auto, off or blocks > 0, not {value!r}"
+    )
 
 
 def peer_names(value: str) -> list[str]:
@@ -158,6 +262,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"instead ({', '.join(PEERS)}; default all), each on as many vLLM instances, and "
         "tabulate them beside the dualpath phase",
     )
+    parser.add_argument(
+        "--peer-kv-blocks",
+        default="auto",
+        type=kv_blocks_arg,
+        help="--peers: each peer instance's KV cache (its DRAM prefix cache) in vLLM blocks: "
+        "auto (default) half the contexts an instance's agents keep, at least the largest "
+        "turn, so an agent's context leaves DRAM before its next turn and hits come from the "
+        "peer's storage; off: vLLM's default 1 GiB (the whole trace in DRAM); N: N blocks",
+    )
 
 
 @dataclass
@@ -172,6 +285,8 @@ class PeerRow:
     answers_equal: int = 0
     answers_compared: int = 0
     errors: list[str] = field(default_factory=list)  # captured from its logs, verbatim
+    kv_cache: dict[str, Any] = field(default_factory=dict)  # each instance's (KvCap)
+    snic_gbps: float = 0.0  # the cap its storage loads went through (0: none)
     why: str = ""  # the known limit behind an error on vLLM's CPU build
     loadavg: list[float] = field(default_factory=list)  # 1-min load at its start and end
     logs: list[str] = field(default_factory=list)
@@ -225,16 +340,23 @@ def bytes_by_path(counters: dict[str, float], kv_bytes_per_token: int) -> dict[s
 
 
 def dualpath_row(res: PolicyResult, reference_equal: tuple[int, int]) -> PeerRow:
-    """The bench's dualpath phase as the table's first row (the reference of the answers)."""
+    """The bench's dualpath phase as the table's first row (the reference of the answers):
+    its instances keep vLLM's default KV cache, which serves no hit (prefix cache off)."""
+    from dualpath.integrations.vllm.server import CPU_KVCACHE_GIB
+
     return PeerRow(
         "dualpath",
-        "vLLM + DualPath connector (the dualpath phase above), prefix cache off",
+        f"vLLM + DualPath connector (the dualpath phase above), prefix cache off, KV cache "
+        f"vLLM's default {CPU_KVCACHE_GIB} GiB (no hit served from it), every hit read "
+        f"through the SNIC cap {res.snic_gbps:.3g} Gbit/s per node",
         True,
         asdict(res),
         {f"store_{role}": b for role, b in res.bytes_read.items()},
         reference_equal[0],
         reference_equal[1],
         loadavg=list(res.loadavg),
+        kv_cache={"bytes": CPU_KVCACHE_GIB << 30, "prefix_cache": False},
+        snic_gbps=res.snic_gbps,
     )
 
 
@@ -345,17 +467,41 @@ def run_peer(
     args: argparse.Namespace,
     reference: dict[tuple[str, int], list[int]],
     phase: str,
+    snic_gbps: float = 0.0,
 ) -> PeerRow:
-    """Start `peer` on P + D instances, replay the trace (its warm-up turns too: its caches
-    start empty), stop it; its row."""
-    from dualpath.integrations.vllm.server import vllm_serve
+    """Start `peer` on P + D instances, each with the KV cache `kv_cap` sizes and its storage
+    loads (if its connector reads storage through ours) capped at `snic_gbps`, replay the
+    trace (its warm-up turns too: its caches start empty), stop it; its row."""
+    from dualpath.integrations.vllm.server import VLLM_BLOCK_TOKENS, vllm_serve
     from dualpath.local.cluster import VLLM_READY_TIMEOUT_S
     from dualpath.local.supervisor import free_port
 
     run_dir = (Path(args.out) / "peers" / peer.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     n = cfg.spec.prefill.replicas + cfg.spec.decode.replicas
-    row = PeerRow(peer.name, peer.what, False)
+    p = cfg.spec.prefill.replicas if peer.pd else 0
+    try:
+        cap = kv_cap(
+            trajectories,
+            n - p,
+            VLLM_BLOCK_TOKENS,
+            cfg.spec.model.kv_bytes_per_token,
+            getattr(args, "peer_kv_blocks", "auto"),
+        )
+    except ValueError as e:
+        return PeerRow(peer.name, peer.what, False, errors=[f"ValueError: {e}"])
+    transfer = [peer.kv_transfer(i, run_dir, snic_gbps) for i in range(n)]
+    reads = any(t and "snic_gbps" in t.get("kv_connector_extra_config", {}) for t in transfer)
+    capped = f"its storage loads capped at {snic_gbps:.3g} Gbit/s an instance" if reads else ""
+    row = PeerRow(peer.name, "; ".join(x for x in (peer.what, cap.describe(), capped) if x), False)
+    row.kv_cache = {**asdict(cap), "below_working_set": cap.below_working_set}
+    row.snic_gbps = snic_gbps if reads else 0.0
+    if not cap.below_working_set:
+        print(
+            f"[{phase}] warning: the peers' KV cache ({cap.describe()}) holds an instance's "
+            "agents' contexts: its hits stay in DRAM (more agents than instances fix it)",
+            file=sys.stderr,
+        )
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     logs = [run_dir / f"vllm-{i}.log" for i in range(n)]
@@ -367,21 +513,21 @@ def run_peer(
             cmd = vllm_serve(
                 cfg,
                 port=port,
-                kv_transfer=peer.kv_transfer(i, run_dir),
+                kv_transfer=transfer[i],
                 prefix_caching=True,
                 venv=peer.venv,
+                kv_blocks=cap.blocks,
             )
             cmds.append((cmd.argv, {**cmd.env, **peer.env(i, run_dir)}))
     except (FileNotFoundError, ValueError) as e:
         row.errors = [f"{type(e).__name__}: {e}"]
         return row
-    print(f"[{phase}] starting {n} vLLM instances: {peer.what}", file=sys.stderr, flush=True)
+    print(f"[{phase}] starting {n} vLLM instances: {row.what}", file=sys.stderr, flush=True)
     results: list[TurnResult] = []
     with Instances(cmds, logs) as inst:
         why = inst.wait_ready(urls, VLLM_READY_TIMEOUT_S)
         if why is None:
             row.ran = True
-            p = cfg.spec.prefill.replicas if peer.pd else 0
             mark: dict[str, Any] = {}
 
             def on_warm() -> None:

@@ -65,11 +65,14 @@ def vllm_serve(
     kv_transfer: dict | None,
     prefix_caching: bool = False,
     venv: Path | None = None,
+    kv_blocks: int | None = None,
 ) -> VllmCommand:
     """`vllm serve` of the config's checkpoint on a loopback port, as every vLLM here runs
     (the DualPath workers' and the peers' of `bench local --peers`): `kv_transfer` its
     `--kv-transfer-config` (None: none), `prefix_caching` vLLM's own prefix cache, `venv`
-    where its `vllm` is (default: this interpreter's)."""
+    where its `vllm` is (default: this interpreter's). `kv_blocks`: its KV cache in usable
+    blocks of VLLM_BLOCK_TOKENS (default: CPU_KVCACHE_GIB of memory), with the context cut to
+    what they hold (vLLM refuses a cache smaller than one request at its context)."""
     model = cfg.spec.model
     if not model.checkpoint_path:
         raise ValueError(
@@ -89,7 +92,11 @@ def vllm_serve(
         "--dtype",
         model.dtype,
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(
+            MAX_MODEL_LEN
+            if kv_blocks is None
+            else min(MAX_MODEL_LEN, kv_blocks * VLLM_BLOCK_TOKENS)
+        ),
         "--block-size",
         str(VLLM_BLOCK_TOKENS),
         "--enforce-eager",
@@ -97,6 +104,8 @@ def vllm_serve(
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]
+    if kv_blocks is not None:  # vLLM holds one block back (its null block)
+        argv += ["--num-gpu-blocks-override", str(kv_blocks + 1)]
     if kv_transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = {
