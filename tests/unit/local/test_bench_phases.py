@@ -204,3 +204,9 @@ def test_the_json_carries_each_phases_verdict_and_cap() -> None:
     assert doc["bound"] == {"prefill-read": "storage", "dualpath": "compute"}
     assert doc["ratio_per_snic_cap"] == 3.0
     assert doc["policies"]["dualpath"]["snic_gbps"] == 0.5
+
+
+def test_the_read_to_compute_default_is_the_serving_engines() -> None:
+    assert bench.default_read_to_compute(_args()) == bench.READ_TO_COMPUTE
+    assert bench.default_read_to_compute(_args("--engine", "vllm")) == bench.VLLM_READ_TO_COMPUTE
+    assert _args("--engine", "vllm", "--read-to-compute", "3").read_to_compute == 3.0

@@ -48,6 +48,20 @@ POLICIES = ("prefill-read", "dualpath")
 # compute, as with hundreds of GB of KV per second of GPU prefill behind a 400 Gbps SNIC. A fixed
 # cap in Gbps would not: the CPU model's compute speed differs from one machine to the next.
 READ_TO_COMPUTE = 4.0
+# engine vllm: its compute is probed among a phase's others (`bench_run.probe_vllm_compute`),
+# but a vLLM turn also spends time outside its prefill's forwards (the hop to the decode, the
+# scheduler's round trips, the steps that poll parked requests) while its agent holds its next
+# read back: at 4 the dualpath phase's busiest SNICs were busy 0.72 of it (ratio 2.29), at 8
+# 0.98 (2.81), both phases storage-bound (docs/vllm.md "Measured")
+VLLM_READ_TO_COMPUTE = 8.0
+
+
+def default_read_to_compute(args: argparse.Namespace) -> float:
+    """`--read-to-compute` when not given: the serving engine's (`--engine`, else the file's)."""
+    engine = getattr(args, "engine", None) or config.load_or_default(args.file).spec.workers.engine
+    return VLLM_READ_TO_COMPUTE if engine == "vllm" else READ_TO_COMPUTE
+
+
 # The calibration's prefills: up to `samples`, at least MIN_SAMPLES, no new one past
 # CALIBRATE_S seconds of them (on a machine at load 13 one took 1.4 s, so 7 took 10 s).
 MIN_SAMPLES = 3
@@ -259,8 +273,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--read-to-compute",
         type=float,
-        default=READ_TO_COMPUTE,
-        help="with --snic-gbps auto: a turn's hit read time over its prefill compute time",
+        default=None,
+        help="with --snic-gbps auto: a turn's hit read time over its prefill compute time "
+        f"(default {READ_TO_COMPUTE:g}; engine vllm {VLLM_READ_TO_COMPUTE:g}, its compute "
+        "probed among a phase's others)",
     )
     parser.add_argument(
         "--recalibrate",

@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (online.ONLINE_SIZE if args.online else bench.OFFLINE_SIZE).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if getattr(args, "read_to_compute", None) is None:  # the engine's (-f or --engine)
+        args.read_to_compute = bench.default_read_to_compute(args)
     made = args.kv_dir is None
     if made:
         args.kv_dir = tempfile.mkdtemp(prefix="dualpath-kv-")
