@@ -105,7 +105,7 @@ def _forward(w: WorkerSide, caches, plan, kv_of_tokens=None) -> None:  # noqa: A
     w.wait_for_save()
 
 
-def _received(w: WorkerSide, req_id: str, timeout_s: float = 10.0) -> None:
+def _received(w: WorkerSide, req_id: str, timeout_s: float = 30.0) -> None:
     """What vLLM does while a request is parked: a step each poll until the worker reports it."""
     deadline = time.monotonic() + timeout_s
     while req_id not in w.finished_receiving():
@@ -338,13 +338,8 @@ def test_path_d_streams_the_hit_to_the_prefill_and_the_new_blocks_back(
     assert prefill.take_load_errors() == set()
     for layer, t in pcaches.items():  # the hit came from the decode's cache
         assert torch.equal(_tokens_kv(t, [5, 6], 0, 256)[1], kv[layer][1][:256])
-    got: set[str] = set()
-    for _ in range(2000):  # the notification: bounded polls, not a timing assertion
-        got |= decode.finished_receiving()
-        if got:
-            break
-        time.sleep(0.005)
-    assert got == {"rd"} and decode.take_load_errors() == set()
+    _received(decode, "rd")  # the notification: bounded polls, not a timing assertion
+    assert decode.take_load_errors() == set()
     for layer, t in dcaches.items():  # every prompt token but the last is in the decode's
         assert torch.equal(_tokens_kv(t, [1, 2], 0, 256)[0], kv[layer][0][:256])
         k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
@@ -455,13 +450,8 @@ def test_path_d_waits_for_layer_l_only_while_later_layers_are_still_read(tmp_pat
     assert not fwd.is_alive() and waited == list(range(m.layers))
     assert gated.asked == list(range(m.layers))  # the decode read each layer once, in order
     assert prefill.take_load_errors() == set()
-    got: set[str] = set()
-    for _ in range(2000):
-        got |= decode.finished_receiving()
-        if got:
-            break
-        time.sleep(0.005)
-    assert got == {"rd"} and decode.take_load_errors() == set()
+    _received(decode, "rd")  # the notification: bounded polls, not a timing assertion
+    assert decode.take_load_errors() == set()
     for layer, t in dcaches.items():
         k, v = _tokens_kv(t, [1, 2, 3, 4], 0, 399)
         assert torch.equal(k, kv[layer][0][:399]) and torch.equal(v, kv[layer][1][:399])
@@ -546,13 +536,8 @@ def test_a_parked_hit_the_decode_could_not_read_is_recomputed_then_sent(tmp_path
     step = scheds[1].build(_step("rp", tokens, [5, 6, 7, 8], 0, 400))  # the recompute
     _forward(prefill, pcaches, step)
     assert "t/5" in prefill._sent
-    got: set[str] = set()
-    for _ in range(2000):  # bounded polls, not a timing assertion
-        got |= decode.finished_receiving()
-        if got:
-            break
-        time.sleep(0.005)
-    assert got == {"rd"} and decode.take_load_errors() == {1, 2, 3, 4}
+    _received(decode, "rd")  # the notification: bounded polls, not a timing assertion
+    assert decode.take_load_errors() == {1, 2, 3, 4}
     decode.shutdown()
     prefill.shutdown()
 
@@ -617,13 +602,8 @@ def test_a_hit_the_decode_could_not_read_is_recomputed_and_sent_in_the_next_step
     prefill.finish_loads()
     prefill.wait_for_save()
     assert "t/4" in prefill._sent
-    got: set[str] = set()
-    for _ in range(2000):  # bounded polls, not a timing assertion
-        got |= decode.finished_receiving()
-        if got:
-            break
-        time.sleep(0.005)
-    assert got == {"rd"} and decode.take_load_errors() == {1, 2, 3, 4}
+    _received(decode, "rd")  # the notification: bounded polls, not a timing assertion
+    assert decode.take_load_errors() == {1, 2, 3, 4}
     decode.shutdown()
     prefill.shutdown()
 
