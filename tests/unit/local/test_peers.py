@@ -156,13 +156,14 @@ def test_error_lines_are_captured_verbatim_once_each_with_the_final_exception() 
 
 
 def test_a_peer_that_cannot_start_is_a_row_with_the_error_its_own_process_printed(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a caller's own would win
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     vllm = venv / "bin" / "vllm"
     vllm.write_text(
-        "#!/bin/sh\necho 'INFO starting'\n"
+        "#!/bin/sh\necho 'INFO starting'\necho \"threads=$OMP_NUM_THREADS\"\n"
         "echo 'RuntimeError: No supported cpu connector found.' >&2\nexit 3\n"
     )
     vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
@@ -176,6 +177,9 @@ def test_a_peer_that_cannot_start_is_a_row_with_the_error_its_own_process_printe
     assert row.errors[0].endswith("exited with status 3 before it was ready")
     assert "RuntimeError: No supported cpu connector found." in row.errors
     assert row.why == "no CPU connector" and row.loadavg
+    # the environment the DualPath instances get: one torch thread each (the cores are shared)
+    (log,) = (tmp_path / "out").rglob("vllm-0.log")
+    assert "threads=1" in log.read_text()
     table = peers.peers_table([row])
     assert "did not run" in table and "No supported cpu connector found." in table
 

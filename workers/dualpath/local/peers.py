@@ -39,6 +39,7 @@ from dualpath.local.bench import (
     scrape_counters,
     summarize,
 )
+from dualpath.local.cluster import local_worker_env
 from dualpath.trace import Trajectory
 
 # vLLM's counters a peer's bytes per path come from (summed over its instances)
@@ -518,7 +519,9 @@ def run_peer(
                 venv=peer.venv,
                 kv_blocks=cap.blocks,
             )
-            cmds.append((cmd.argv, {**cmd.env, **peer.env(i, run_dir)}))
+            # the environment the DualPath instances run in (one torch thread each: many
+            # processes share the cores; UCX on loopback), then the peer's own
+            cmds.append((cmd.argv, {**local_worker_env(), **cmd.env, **peer.env(i, run_dir)}))
     except (FileNotFoundError, ValueError) as e:
         row.errors = [f"{type(e).__name__}: {e}"]
         return row
