@@ -210,3 +210,22 @@ def test_the_read_to_compute_default_is_the_serving_engines() -> None:
     assert bench.default_read_to_compute(_args()) == bench.READ_TO_COMPUTE
     assert bench.default_read_to_compute(_args("--engine", "vllm")) == bench.VLLM_READ_TO_COMPUTE
     assert _args("--engine", "vllm", "--read-to-compute", "3").read_to_compute == 3.0
+
+
+def test_a_compute_bound_phase_runs_every_phase_again_at_a_lower_cap() -> None:
+    storage = {"bound": "storage", "busiest_snic_busy": 0.95, "prefill_compute_busy": 0.3}
+    compute = {"bound": "compute", "busiest_snic_busy": 0.4, "prefill_compute_busy": 0.6}
+    pr, dp = _phase("prefill-read", verdict=storage), _phase("dualpath", verdict=compute)
+    args, cal = _args(), _cal(0.2)
+    # the cap 1.5x (0.6 / 0.4) x the margin lower: the compute-bound phase's reads outlast it
+    lower = bench_run.storage_bound_retry([pr, dp], cal, args, budgeted=False)
+    assert lower == pytest.approx(0.6 / 0.4 * bench_run.RETRY_MARGIN)
+    assert bench_run.storage_bound_retry([pr], cal, args, budgeted=False) is None  # all were
+    # not the bench's cap to lower: a fixed cap, a cap per phase, a budget with no time for it
+    assert bench_run.storage_bound_retry([dp], cal, _args("--snic-gbps", "1"), False) is None
+    assert bench_run.storage_bound_retry([dp], cal, _args("--recalibrate"), False) is None
+    assert bench_run.storage_bound_retry([dp], cal, args, budgeted=True) is None
+    assert bench_run.storage_bound_retry([dp], None, args, budgeted=False) is None
+    first = bench_run.first_attempt([pr, dp])
+    assert first["compute_bound"] == ["dualpath"] and first["ratio"] == 1.0
+    assert first["verdicts"]["dualpath"] == compute

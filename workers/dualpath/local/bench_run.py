@@ -229,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    from dualpath.local.cluster import with_overrides
+
     t_start = time.monotonic()
     end_s = None if args.budget_s is None else t_start + args.budget_s
     spec = trace_spec(args)
@@ -309,8 +311,6 @@ def run(args: argparse.Namespace) -> int:
                 )
                 seed, answered = seed_run.path, seed_run.answers
                 if seed_run.probed and args.snic_gbps == "auto":
-                    from dualpath.local.cluster import with_overrides
-
                     # the cap against vLLM's compute, not the in-process engine's
                     scale = seed_run.probed / calibration.prefill_s
                     calibration = calibration.scaled(scale)
@@ -339,46 +339,65 @@ def run(args: argparse.Namespace) -> int:
                 trajectories = fit_budget(
                     args, cfg, calibration, trajectories, policies, start_s, end_s, cut
                 )
-            predicted = cut.get("predicted_phase_s", {})
-            floor_s = 0.0  # after a cut phase: the next ones get at least half its time
-            # engine vllm: vLLM's compute per turn over the calibration's (the probe's, then
-            # the phase before's)
-            scale = calibration.compute_scale if calibration is not None else 1.0
-            for i, policy in enumerate(policies):
-                phase_cfg, phase_cal = cfg, calibration
-                if args.snic_gbps == "auto" and args.recalibrate:
-                    phase_cfg, phase_cal = recalibrate(
-                        args, cfg, trajectories, scale, phase(policy)
+            for attempt in (1, 2):
+                predicted = cut.get("predicted_phase_s", {})
+                floor_s = 0.0  # after a cut phase: the next ones get at least half its time
+                # engine vllm: vLLM's compute per turn over the calibration's (the probe's, then
+                # the phase before's)
+                scale = calibration.compute_scale if calibration is not None else 1.0
+                for i, policy in enumerate(policies):
+                    phase_cfg, phase_cal = cfg, calibration
+                    if args.snic_gbps == "auto" and args.recalibrate:
+                        phase_cfg, phase_cal = recalibrate(
+                            args, cfg, trajectories, scale, phase(policy)
+                        )
+                    deadline = None
+                    t_phase = time.monotonic()
+                    if end_s is not None and predicted:
+                        rest = {p: predicted[p] for p in policies[i:]}
+                        deadline = budget.phase_deadline_s(t_phase, end_s, rest, policy)
+                        # never less than its own prediction (a plan over the budget still runs
+                        # its smallest replay) nor than the floor a cut left it
+                        deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
+                    res, turns = run_policy(
+                        phase_cfg,
+                        policy,
+                        trajectories,
+                        args,
+                        sink,
+                        seed,
+                        phase(policy),
+                        deadline,
+                        answered,
+                        phase_cal,
                     )
-                deadline = None
-                t_phase = time.monotonic()
-                if end_s is not None and predicted:
-                    rest = {p: predicted[p] for p in policies[i:]}
-                    deadline = budget.phase_deadline_s(t_phase, end_s, rest, policy)
-                    # never less than its own prediction (a plan over the budget still runs
-                    # its smallest replay) nor than the floor a cut left it
-                    deadline = max(deadline, t_phase + predicted[policy], t_phase + floor_s)
-                res, turns = run_policy(
-                    phase_cfg,
-                    policy,
-                    trajectories,
-                    args,
-                    sink,
-                    seed,
-                    phase(policy),
-                    deadline,
-                    answered,
-                    phase_cal,
+                    out.append(res)
+                    if phase_cal is not None and res.breakdown:
+                        scale = measured_compute_scale(
+                            res.breakdown, res.turns, phase_cal.prefill_s
+                        )
+                    answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
+                    if res.cut:  # the next policies replay what this one did, no more
+                        cut.setdefault("deadline", {})[policy] = len(turns)
+                        trajectories = completed_only(trajectories, turns)
+                        # the same turns, in (a fraction of) the time this one had: a fair chance
+                        floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
+                lower = storage_bound_retry(out, calibration, args, end_s is not None)
+                if attempt == 2 or lower is None:
+                    break
+                # a phase was compute-bound: every phase again, once, at one lower cap
+                cut["first_attempt"] = first_attempt(out)
+                calibration = calibration.scaled(calibration.compute_scale * lower)
+                cfg = with_overrides(cfg, **{"storage.snicGbps": calibration.snic_gbps})
+                print(
+                    f"not storage-bound ({', '.join(first_attempt(out)['compute_bound'])}): "
+                    f"every phase again at a SNIC cap {lower:.2f}x lower, "
+                    f"{calibration.snic_gbps:.3f} Gbps",
+                    file=sys.stderr,
+                    flush=True,
                 )
-                out.append(res)
-                if phase_cal is not None and res.breakdown:
-                    scale = measured_compute_scale(res.breakdown, res.turns, phase_cal.prefill_s)
-                answers[policy] = {(t.agent, t.turn): t.generated for t in turns if t.ok}
-                if res.cut:  # the next policies replay what this one did, no more
-                    cut.setdefault("deadline", {})[policy] = len(turns)
-                    trajectories = completed_only(trajectories, turns)
-                    # the same turns, in (a fraction of) the time this one had: a fair chance
-                    floor_s = budget.CUT_FLOOR_SHARE * (time.monotonic() - t_phase)
+                out.clear()
+                answers.clear()
             if peer_list:
                 run_peers(args, cfg, trajectories, out, answers, answered or {}, phase, rows)
     except PolicyInterrupted as stop:
@@ -410,6 +429,13 @@ def run(args: argparse.Namespace) -> int:
             f"({doc['compared_turns']} turns compared; the {doc['warmup_turns']} warm-up turns, "
             f"{args.warmup_turns} an agent, are served once before both policies)"
         )
+        if cut.get("first_attempt"):
+            fa = cut["first_attempt"]
+            print(
+                f"run twice: at the first cap ({fa['snic_gbps']:.3f} Gbps) "
+                f"{', '.join(fa['compute_bound'])} was not storage-bound (ratio {fa['ratio']}); "
+                "the figures above are the second attempt's, at a lower cap"
+            )
         if cut.get("left_out_turns") or cut.get("deadline") or cut.get("agents_not_warmed"):
             print(f"cut to fit --budget-s {args.budget_s:.0f}: {describe_cut(cut)}")
         print(
@@ -421,6 +447,41 @@ def run(args: argparse.Namespace) -> int:
         interrupted.reported = True
         raise interrupted  # the caller stops with 128 + the signal
     return 0 if all(r.failed == 0 for r in out) else 1
+
+
+# a run whose phase was not storage-bound runs every phase again, once, at a cap lowered by
+# how far that phase was from it (its prefill's compute over its busiest SNICs' busy time)
+# times this margin: the compute a phase gets changes with the machine's load
+RETRY_MARGIN = 1.5
+
+
+def storage_bound_retry(
+    results: list[PolicyResult],
+    calibration: SnicCalibration | None,
+    args: argparse.Namespace,
+    budgeted: bool,
+) -> float | None:
+    """How many times lower the next attempt's cap must be for every phase to be
+    storage-bound; None when each was, or when the cap is not the bench's to lower (a fixed
+    `--snic-gbps`, `--recalibrate`'s cap per phase, a `--budget-s` with no time for it)."""
+    if calibration is None or args.snic_gbps != "auto" or args.recalibrate or budgeted:
+        return None
+    off = [
+        r.verdict["prefill_compute_busy"] / max(r.verdict["busiest_snic_busy"], 0.01)
+        for r in results
+        if r.verdict.get("bound") == "compute"
+    ]
+    return max(off) * RETRY_MARGIN if off else None
+
+
+def first_attempt(results: list[PolicyResult]) -> dict[str, Any]:
+    """What a run that is done again says of its first attempt (the JSON's `cut`)."""
+    return {
+        "compute_bound": [r.policy for r in results if r.verdict.get("bound") == "compute"],
+        "snic_gbps": results[0].snic_gbps if results else None,
+        "ratio": ratio_of(results),
+        "verdicts": {r.policy: r.verdict for r in results},
+    }
 
 
 def recalibrate(
@@ -556,6 +617,14 @@ def describe_cut(cut: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def ratio_of(results: list[PolicyResult]) -> float | None:
+    """dualpath / prefill-read tokens/s (None without both)."""
+    by = {r.policy: r for r in results}
+    if "dualpath" in by and "prefill-read" in by and by["prefill-read"].tokens_per_s:
+        return round(by["dualpath"].tokens_per_s / by["prefill-read"].tokens_per_s, 3)
+    return None
+
+
 def result_doc(
     args: argparse.Namespace,
     cfg: config.ClusterConfig,
@@ -567,10 +636,7 @@ def result_doc(
     t_start: float,
     interrupted: Interrupted | None,
 ) -> dict[str, Any]:
-    by = {r.policy: r for r in out}
-    ratio = None
-    if "dualpath" in by and "prefill-read" in by and by["prefill-read"].tokens_per_s:
-        ratio = round(by["dualpath"].tokens_per_s / by["prefill-read"].tokens_per_s, 3)
+    ratio = ratio_of(out)
     keys = set.intersection(*(set(a) for a in answers.values())) if answers else set()
     same = all(len({tuple(a[k]) for a in answers.values()}) == 1 for k in keys)
     return {
