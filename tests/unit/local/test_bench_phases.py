@@ -75,20 +75,25 @@ def test_a_vllm_phase_is_judged_on_the_compute_its_counters_measured() -> None:
         "prefill_compute_busy": 0.55,
         "compute_from": "measured",
     }
-    breakdown = {"busiest_snic_busy": 0.52, "prefill_compute_busy": 0.40}
+    breakdown = {"busiest_snic_busy": 0.92, "prefill_compute_busy": 0.40}
     v = bench.phase_verdict(_phase("prefill-read", breakdown=breakdown), None, NODES)
     assert v["bound"] == "storage"
+    # neither busy most of the phase: not storage-bound either (the turns' time went elsewhere)
+    breakdown = {"busiest_snic_busy": 0.53, "prefill_compute_busy": 0.23}
+    v = bench.phase_verdict(_phase("dualpath", breakdown=breakdown), None, NODES)
+    assert v["bound"] == "other"
+    assert "NOT storage-bound (neither" in bench.verdict_line(_phase("dualpath", verdict=v))
 
 
 def test_a_torch_engine_phase_is_judged_on_its_own_calibrated_prefill() -> None:
-    # prefill-read: 9e9 bytes through the one prefill SNIC at 1 Gbps = 72 s of 100;
+    # prefill-read: 11e9 bytes through the one prefill SNIC at 1 Gbps = 88 s of 100;
     # 50 turns x 0.5 s = 25 s of compute
-    res = _phase("prefill-read", bytes_read={"prefill": 9 * 10**9, "decode": 0})
+    res = _phase("prefill-read", bytes_read={"prefill": 11 * 10**9, "decode": 0})
     v = bench.phase_verdict(res, _cal(0.5), NODES)
     assert (v["bound"], v["compute_from"]) == ("storage", "calibrated")
-    assert v["busiest_snic_busy"] == pytest.approx(0.72)
+    assert v["busiest_snic_busy"] == pytest.approx(0.88)
     assert v["prefill_compute_busy"] == pytest.approx(0.25)
-    # the same reads at 1.8 s a turn of compute: 90 s > 72 s
+    # the same reads at 1.8 s a turn of compute: 90 s > 88 s
     assert bench.phase_verdict(res, _cal(1.8), NODES)["bound"] == "compute"
     # nothing measured: no verdict rather than a guess
     assert bench.phase_verdict(res, None, NODES) == {}
@@ -217,9 +222,13 @@ def test_a_compute_bound_phase_runs_every_phase_again_at_a_lower_cap() -> None:
     compute = {"bound": "compute", "busiest_snic_busy": 0.4, "prefill_compute_busy": 0.6}
     pr, dp = _phase("prefill-read", verdict=storage), _phase("dualpath", verdict=compute)
     args, cal = _args(), _cal(0.2)
-    # the cap 1.5x (0.6 / 0.4) x the margin lower: the compute-bound phase's reads outlast it
+    # the cap 2x (0.8 / 0.4: busy past STORAGE_BOUND_BUSY and the compute) x the margin lower
     lower = bench_run.storage_bound_retry([pr, dp], cal, args, budgeted=False)
-    assert lower == pytest.approx(0.6 / 0.4 * bench_run.RETRY_MARGIN)
+    assert lower == pytest.approx(0.8 / 0.4 * bench_run.RETRY_MARGIN)
+    slow = _phase("dualpath", verdict={**compute, "prefill_compute_busy": 0.9})
+    assert bench_run.storage_bound_retry([slow], cal, args, False) == pytest.approx(
+        0.9 / 0.4 * bench_run.RETRY_MARGIN
+    )
     assert bench_run.storage_bound_retry([pr], cal, args, budgeted=False) is None  # all were
     # not the bench's cap to lower: a fixed cap, a cap per phase, a budget with no time for it
     assert bench_run.storage_bound_retry([dp], cal, _args("--snic-gbps", "1"), False) is None
@@ -227,5 +236,5 @@ def test_a_compute_bound_phase_runs_every_phase_again_at_a_lower_cap() -> None:
     assert bench_run.storage_bound_retry([dp], cal, args, budgeted=True) is None
     assert bench_run.storage_bound_retry([dp], None, args, budgeted=False) is None
     first = bench_run.first_attempt([pr, dp])
-    assert first["compute_bound"] == ["dualpath"] and first["ratio"] == 1.0
+    assert first["not_storage_bound"] == ["dualpath"] and first["ratio"] == 1.0
     assert first["verdicts"]["dualpath"] == compute

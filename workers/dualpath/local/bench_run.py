@@ -19,6 +19,7 @@ from dualpath import config
 from dualpath.local import budget, peers
 from dualpath.local.bench import (
     OFFLINE_SIZE,
+    STORAGE_BOUND_BUSY,
     VLLM_SECONDS,
     PolicyResult,
     Progress,
@@ -390,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
                 calibration = calibration.scaled(calibration.compute_scale * lower)
                 cfg = with_overrides(cfg, **{"storage.snicGbps": calibration.snic_gbps})
                 print(
-                    f"not storage-bound ({', '.join(first_attempt(out)['compute_bound'])}): "
+                    f"not storage-bound ({', '.join(first_attempt(out)['not_storage_bound'])}): "
                     f"every phase again at a SNIC cap {lower:.2f}x lower, "
                     f"{calibration.snic_gbps:.3f} Gbps",
                     file=sys.stderr,
@@ -433,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
             fa = cut["first_attempt"]
             print(
                 f"run twice: at the first cap ({fa['snic_gbps']:.3f} Gbps) "
-                f"{', '.join(fa['compute_bound'])} was not storage-bound (ratio {fa['ratio']}); "
+                f"{', '.join(fa['not_storage_bound'])} was not storage-bound (ratio {fa['ratio']}); "
                 "the figures above are the second attempt's, at a lower cap"
             )
         if cut.get("left_out_turns") or cut.get("deadline") or cut.get("agents_not_warmed"):
@@ -466,10 +467,12 @@ def storage_bound_retry(
     `--snic-gbps`, `--recalibrate`'s cap per phase, a `--budget-s` with no time for it)."""
     if calibration is None or args.snic_gbps != "auto" or args.recalibrate or budgeted:
         return None
+    # each SNIC-busy share must grow past the prefill's compute and STORAGE_BOUND_BUSY
     off = [
-        r.verdict["prefill_compute_busy"] / max(r.verdict["busiest_snic_busy"], 0.01)
+        max(r.verdict["prefill_compute_busy"], STORAGE_BOUND_BUSY)
+        / max(r.verdict["busiest_snic_busy"], 0.01)
         for r in results
-        if r.verdict.get("bound") == "compute"
+        if r.verdict.get("bound") not in (None, "storage")
     ]
     return max(off) * RETRY_MARGIN if off else None
 
@@ -477,7 +480,9 @@ def storage_bound_retry(
 def first_attempt(results: list[PolicyResult]) -> dict[str, Any]:
     """What a run that is done again says of its first attempt (the JSON's `cut`)."""
     return {
-        "compute_bound": [r.policy for r in results if r.verdict.get("bound") == "compute"],
+        "not_storage_bound": [
+            r.policy for r in results if r.verdict.get("bound") not in (None, "storage")
+        ],
         "snic_gbps": results[0].snic_gbps if results else None,
         "ratio": ratio_of(results),
         "verdicts": {r.policy: r.verdict for r in results},
