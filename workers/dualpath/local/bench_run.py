@@ -137,12 +137,16 @@ def run_policy(
     deadline_s: float | None = None,
     answered: dict[tuple[str, int], list[int]] | None = None,
     calibration: SnicCalibration | None = None,
+    turns_s: float = 0.0,
 ) -> tuple[PolicyResult, list[TurnResult]]:
     """One policy's cluster replays `trajectories`: the figures from its first measured turn
     (after every agent's warm-up) to its last ended one. At `deadline_s` (time.monotonic()) no
     turn starts any more (`PolicyResult.cut`); on SIGINT/SIGTERM raises `PolicyInterrupted`
     with the figures so far. The warm-up turns in `answered` are not sent again.
-    `calibration`: how this phase's cap was set (its verdict's compute, engine dualpath)."""
+    `calibration`: how this phase's cap was set (its verdict's compute, engine dualpath).
+    `turns_s`: its turns' predicted seconds, which `deadline_s` leaves them at least once the
+    cluster is up (a busy machine starts a cluster slower than the plan's start allowed: the
+    start must not eat the turns, or a phase ends with none and the policies replay nothing)."""
     from dualpath.local.cluster import LocalCluster
 
     pcfg = policy_config(cfg, policy, seed)
@@ -157,6 +161,8 @@ def run_policy(
         1 for t in trajectories for i in range(len(t.turns)) if (t.agent_id, i) not in answered
     )
     with LocalCluster(pcfg, run_dir, sink=sink, log_level="WARNING") as cluster:
+        if deadline_s is not None and turns_s > 0:
+            deadline_s = max(deadline_s, time.monotonic() + turns_s)
         prog = Progress(total, policy, phase=phase, deadline_s=deadline_s)
         mark: dict[str, Any] = {}
 
@@ -371,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
                         deadline,
                         answered,
                         phase_cal,
+                        turns_s=predicted.get(policy, 0.0) - start_s,
                     )
                     out.append(res)
                     if phase_cal is not None and res.breakdown:
