@@ -236,7 +236,6 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
-    from dualpath.local.cluster import with_overrides
 
     t_start = time.monotonic()
     end_s = None if args.budget_s is None else t_start + args.budget_s
@@ -321,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
                     # the cap against vLLM's compute, not the in-process engine's
                     scale = seed_run.probed / calibration.prefill_s
                     calibration = calibration.scaled(scale)
-                    cfg = with_overrides(cfg, **{"storage.snicGbps": calibration.snic_gbps})
+                    cfg = at_cap(cfg, calibration)
                     print(
                         f"[{phase('warm-up')}] vLLM computes a turn in {seed_run.probed:.2f} s "
                         f"among the others ({scale:.2f}x the in-process prefill, load "
@@ -394,11 +393,11 @@ def run(args: argparse.Namespace) -> int:
                 if attempt == 2 or lower is None:
                     break
                 # a phase was compute-bound: every phase again, once, at one lower cap
-                cut["first_attempt"] = first_attempt(out)
+                cut["first_attempt"] = first = first_attempt(out)
                 calibration = calibration.scaled(calibration.compute_scale * lower)
-                cfg = with_overrides(cfg, **{"storage.snicGbps": calibration.snic_gbps})
+                cfg = at_cap(cfg, calibration)
                 print(
-                    f"not storage-bound ({', '.join(first_attempt(out)['not_storage_bound'])}): "
+                    f"not storage-bound ({', '.join(first['not_storage_bound'])}): "
                     f"every phase again at a SNIC cap {lower:.2f}x lower, "
                     f"{calibration.snic_gbps:.3f} Gbps",
                     file=sys.stderr,
@@ -505,7 +504,6 @@ def recalibrate(
 ) -> tuple[config.ClusterConfig, SnicCalibration]:
     """A phase's cap, timed at the load just before it: the machine's load (other work, the
     clusters before) changes the compute a turn gets, and the cap must stay above it."""
-    from dualpath.local.cluster import with_overrides
 
     print(
         f"[{label}] re-timing a turn's prefill here (load {os.getloadavg()[0]:.1f}) ...",
@@ -515,7 +513,14 @@ def recalibrate(
     cal = calibrate_snic(
         cfg, trajectories, args.warmup_turns, args.read_to_compute, compute_scale=compute_scale
     )
-    return with_overrides(cfg, **{"storage.snicGbps": cal.snic_gbps}), cal
+    return at_cap(cfg, cal), cal
+
+
+def at_cap(cfg: config.ClusterConfig, cal: SnicCalibration) -> config.ClusterConfig:
+    """`cfg` with every node's SNIC cap the calibration's."""
+    from dualpath.local.cluster import with_overrides
+
+    return with_overrides(cfg, **{"storage.snicGbps": cal.snic_gbps})
 
 
 def run_peers(
